@@ -1,0 +1,61 @@
+"""The one place that imports private modules of ``distributed`` and ``dask``.
+
+gpushuffle builds on distributed's P2P shuffle core (run ids, the barrier,
+restarts on worker loss, output-worker restrictions) and hooks into dask-expr's
+shuffle lowering.  Neither is public API, so every such import lives here: a
+distributed or dask upgrade that moves them touches this file only.
+
+Checked against dask and distributed 2026.7.1 and 2026.8.0, whose
+``distributed/shuffle/`` and ``dask_expr/_shuffle.py`` are identical.
+"""
+
+from __future__ import annotations
+
+from dask._task_spec import Task, TaskRef
+from dask.dataframe.dask_expr._shuffle import (
+    P2PShuffle,
+    Shuffle,
+    SimpleShuffle,
+)
+from dask.utils import get_default_shuffle_method
+from distributed.shuffle._core import (
+    NDIndex,
+    P2PBarrierTask,
+    ShuffleId,
+    ShuffleRun,
+    ShuffleSpec,
+    barrier_key,
+    get_worker_plugin,
+    p2p_barrier,
+)
+from distributed.shuffle._exceptions import (
+    DataUnavailable,
+    P2PConsistencyError,
+    P2POutOfDiskError,
+    ShuffleClosedError,
+)
+from distributed.shuffle._limiter import ResourceLimiter
+from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
+
+__all__ = [
+    "DataUnavailable",
+    "NDIndex",
+    "P2PBarrierTask",
+    "P2PConsistencyError",
+    "P2POutOfDiskError",
+    "P2PShuffle",
+    "ResourceLimiter",
+    "Shuffle",
+    "ShuffleClosedError",
+    "ShuffleId",
+    "ShuffleRun",
+    "ShuffleSpec",
+    "ShuffleWorkerPlugin",
+    "SimpleShuffle",
+    "Task",
+    "TaskRef",
+    "barrier_key",
+    "get_default_shuffle_method",
+    "get_worker_plugin",
+    "p2p_barrier",
+]

@@ -1,0 +1,109 @@
+"""The table-backend interface: what the engine needs from a kind of frame.
+
+The engine never touches rows itself.  It asks a backend to reorder an input
+partition so that the rows bound for each destination are contiguous, to cut
+views out of that table, to carry a table over the wire and to rebuild output
+partitions from ``meta``.  Nothing here assumes host memory: a backend's table
+may live on a GPU, and its wire frames may be device buffers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+class TableBackend(abc.ABC):
+    """Split, carry and reassemble one kind of frame (pandas, cuDF, ...).
+
+    A *table* is the backend's own container for a run of rows with the
+    partition column removed: columns in ``meta``'s order, plus the index
+    unless the shuffle ignores it.
+    """
+
+    #: Registry name; also written into wire headers.
+    name: ClassVar[str]
+
+    @classmethod
+    @abc.abstractmethod
+    def handles(cls, meta: Any) -> bool:
+        """Whether this backend can shuffle frames shaped like ``meta``."""
+
+    @abc.abstractmethod
+    def validate(self, frame: Any, meta: Any, column: str, input_partition: int) -> None:
+        """Raise a clear error if ``frame`` cannot be shuffled against ``meta``."""
+
+    @abc.abstractmethod
+    def split(
+        self,
+        frame: Any,
+        column: str,
+        rank: np.ndarray,
+        nranks: int,
+        keep_index: bool,
+    ) -> tuple[Any, np.ndarray]:
+        """Group the rows of ``frame`` by destination in one pass.
+
+        Parameters
+        ----------
+        frame
+            One input partition, including the partition-id ``column``.
+        column
+            Name of the integer column holding each row's output partition.
+        rank
+            ``rank[p]`` is the position of output partition ``p`` in the order
+            the engine wants them laid out (grouped by destination worker).
+            ``rank[p] == nranks`` marks partitions nobody asked for (``head()``
+            computes only some outputs): their rows are dropped.
+        nranks
+            Number of wanted output partitions.
+        keep_index
+            Whether the index travels with the rows.
+
+        Returns
+        -------
+        table, offsets
+            ``table`` holds the kept rows, without ``column``, ordered by rank
+            and, within a rank, in their input order (a stable reordering).
+            ``offsets`` is a host ``int64`` array of ``nranks + 1`` row offsets:
+            rows of rank ``r`` are ``table[offsets[r]:offsets[r + 1]]``.
+        """
+
+    @abc.abstractmethod
+    def slice(self, table: Any, start: int, stop: int) -> Any:
+        """Rows ``start:stop`` of ``table`` as a view, without copying."""
+
+    @abc.abstractmethod
+    def concat(self, tables: Sequence[Any], meta: Any, keep_index: bool) -> Any:
+        """Concatenate ``tables`` in the order given into one output frame.
+
+        The result has ``meta``'s columns, names and dtypes: columns whose
+        dtype differs from ``meta``'s are cast without losing values.
+        """
+
+    @abc.abstractmethod
+    def empty(self, meta: Any) -> Any:
+        """An output partition that received no rows: ``meta`` itself."""
+
+    @abc.abstractmethod
+    def nbytes(self, table: Any) -> int:
+        """Bytes the table's buffers occupy."""
+
+    @abc.abstractmethod
+    def nrows(self, table: Any) -> int:
+        """Number of rows in the table."""
+
+    @abc.abstractmethod
+    def serialize(self, table: Any) -> tuple[dict[str, Any], list[Any]]:
+        """A header (msgpack-able) and frames for the wire.
+
+        Frames may be any buffer the transport can send: host memoryviews, or
+        device buffers for transports that move device memory (UCX).
+        """
+
+    @abc.abstractmethod
+    def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> Any:
+        """Inverse of :meth:`serialize`."""

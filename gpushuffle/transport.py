@@ -1,0 +1,78 @@
+"""What crosses the wire: a :class:`Shard`, and how distributed serializes it.
+
+One input partition yields at most one shard per destination worker: the rows
+bound for that worker, grouped by output partition.  Shards are serialized by
+their backend, registered in both of distributed's serializer families that
+carry data: ``dask`` (TCP) and ``cuda`` (UCX, which sends frames exposing
+``__cuda_array_interface__`` device to device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from dask.sizeof import sizeof
+from distributed.protocol import (
+    cuda_deserialize,
+    cuda_serialize,
+    dask_deserialize,
+    dask_serialize,
+)
+
+from gpushuffle.backends import backend_named
+
+
+@dataclass(slots=True)
+class Shard:
+    """Rows of one input partition bound for one worker.
+
+    Rows of output partition ``partitions[k]`` are
+    ``table[offsets[k]:offsets[k + 1]]``, in their input order.
+    """
+
+    backend: str
+    input_partition: int
+    partitions: np.ndarray
+    offsets: np.ndarray
+    table: Any
+    nbytes: int
+
+
+def _serialize(shard: Shard) -> tuple[dict[str, Any], list[Any]]:
+    header, frames = backend_named(shard.backend).serialize(shard.table)
+    return {
+        "backend": shard.backend,
+        "input_partition": shard.input_partition,
+        "partitions": shard.partitions.tolist(),
+        "offsets": shard.offsets.tolist(),
+        "nbytes": shard.nbytes,
+        "table": header,
+    }, frames
+
+
+def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
+    backend = backend_named(header["backend"])
+    return Shard(
+        backend=header["backend"],
+        input_partition=header["input_partition"],
+        partitions=np.asarray(header["partitions"], dtype=np.int64),
+        offsets=np.asarray(header["offsets"], dtype=np.int64),
+        table=backend.deserialize(header["table"], frames),
+        nbytes=header["nbytes"],
+    )
+
+
+for _register, _deregister in (
+    (dask_serialize, dask_deserialize),
+    (cuda_serialize, cuda_deserialize),
+):
+    _register.register(Shard)(_serialize)
+    _deregister.register(Shard)(_deserialize)
+
+
+@sizeof.register(Shard)
+def _sizeof_shard(shard: Shard) -> int:
+    return shard.nbytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from gpushuffle import config as _config  # noqa: F401  (loads defaults)
 from gpushuffle import transport as _transport  # noqa: F401  (registers serializers)
 from gpushuffle.api import METHOD, install, shuffle
 from gpushuffle.errors import ShuffleInputError

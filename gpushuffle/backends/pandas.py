@@ -20,6 +20,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from gpushuffle.backends.base import TableBackend
+from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
 
@@ -41,10 +42,52 @@ def _column_values(frame: pd.DataFrame, i: int) -> Any:
     return series.array
 
 
-def _concat_column(parts: list[Any], dtype: Any) -> Any:
+def _poolable(values: Any) -> bool:
+    return isinstance(values, np.ndarray) and not values.dtype.hasobject
+
+
+def _take(values: Any, order: np.ndarray, pool: HostBufferPool) -> Any:
+    if _poolable(values):
+        # mode="clip" skips the bounds-check copy numpy makes with out= and
+        # mode="raise"; ``order`` is a permutation, so nothing is clipped.
+        return np.take(values, order, out=pool.empty(len(order), values.dtype), mode="clip")
+    return values.take(order)
+
+
+def _take_index(index: pd.Index, order: np.ndarray, pool: HostBufferPool) -> pd.Index:
+    if isinstance(index, pd.RangeIndex):
+        values = pool.empty(len(order), np.int64)
+        np.multiply(order, index.step, out=values)
+        values += index.start
+        return pd.Index(values, name=index.name, copy=False)
+    if type(index) is pd.Index and _poolable(index.values):
+        return pd.Index(_take(index.values, order, pool), name=index.name, copy=False)
+    return index.take(order)
+
+
+def _concat_numpy(parts: list[np.ndarray], pool: HostBufferPool) -> np.ndarray:
+    if len(parts) == 1:
+        return parts[0]
+    dtype = np.result_type(*parts)
+    if dtype.hasobject:
+        return np.concatenate(parts)
+    return np.concatenate(parts, out=pool.empty(sum(len(p) for p in parts), dtype))
+
+
+def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
+    first = indexes[0]
+    if len(indexes) > 1 and all(
+        type(i) is pd.Index and _poolable(i.values) and i.name == first.name for i in indexes
+    ):
+        values = _concat_numpy([i.values for i in indexes], pool)
+        return pd.Index(values, name=first.name, copy=False)
+    return first.append(indexes[1:]) if len(indexes) > 1 else first
+
+
+def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     first = parts[0]
     if all(isinstance(p, np.ndarray) for p in parts):
-        out: Any = np.concatenate(parts) if len(parts) > 1 else first
+        out: Any = _concat_numpy(parts, pool)
     elif isinstance(dtype, pd.CategoricalDtype) or isinstance(first, pd.Categorical):
         out = union_categoricals([pd.Categorical(p) for p in parts])
         known = dtype.categories if isinstance(dtype, pd.CategoricalDtype) else None
@@ -105,12 +148,13 @@ class PandasBackend(TableBackend):
         if kept < len(order):
             order = order[:kept]
         position = frame.columns.get_loc(column)
+        pool = host_pool()
         columns = [
-            _column_values(frame, i).take(order)
+            _take(_column_values(frame, i), order, pool)
             for i in range(frame.shape[1])
             if i != position
         ]
-        index = frame.index.take(order) if keep_index else None
+        index = _take_index(frame.index, order, pool) if keep_index else None
         return PandasTable(columns, index), offsets
 
     def slice(self, table: PandasTable, start: int, stop: int) -> PandasTable:
@@ -122,14 +166,14 @@ class PandasBackend(TableBackend):
     def concat(
         self, tables: Sequence[PandasTable], meta: pd.DataFrame, keep_index: bool
     ) -> pd.DataFrame:
+        pool = host_pool()
         arrays = [
-            _concat_column([t.columns[i] for t in tables], dtype)
+            _concat_column([t.columns[i] for t in tables], dtype, pool)
             for i, dtype in enumerate(meta.dtypes)
         ]
         nrows = sum(len(t) for t in tables)
         if keep_index:
-            indexes = [t.index for t in tables if t.index is not None]
-            index = indexes[0].append(indexes[1:]) if len(indexes) > 1 else indexes[0]
+            index = _concat_index([t.index for t in tables if t.index is not None], pool)
             if index.dtype != meta.index.dtype and not isinstance(index, pd.MultiIndex):
                 index = index.astype(meta.index.dtype)
             index.names = meta.index.names

@@ -1,0 +1,245 @@
+"""Side-by-side benchmark: gpushuffle against dask's ``p2p`` and ``tasks``.
+
+Every method shuffles the same persisted frame on the same cluster, in turn,
+``repeat`` times each.  Before a method's first run the workers collect
+garbage, trim malloc and empty gpushuffle's host buffer pool, so no method
+inherits memory another one left; a method's later runs show its steady
+state in a long-lived cluster (gpushuffle's pool warm).  Reports wall time,
+throughput and the peak RSS of the largest worker, sampled on the workers
+themselves every 20 ms.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_METHODS = ("gpushuffle", "p2p", "tasks")
+
+
+@dataclass
+class Result:
+    method: str
+    repeat: int
+    wall_s: float
+    input_bytes: int
+    rows_out: int
+    peak_worker_rss_bytes: int
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.input_bytes / 2**30 / self.wall_s
+
+
+def make_partition(i: int, rows: int, ncols: int, nkeys: int) -> pd.DataFrame:
+    """One input partition: an int64 ``key`` and ``ncols - 1`` int64/float64 columns."""
+    rng = np.random.default_rng(i)
+    data: dict[str, Any] = {"key": rng.integers(0, nkeys, rows)}
+    for c in range(1, ncols):
+        data[f"c{c}"] = rng.integers(0, 2**40, rows) if c % 2 else rng.random(rows)
+    return pd.DataFrame(data)
+
+
+# -- peak RSS, sampled on each worker in a thread of its own ----------------
+
+_SAMPLER: dict[str, Any] = {}
+
+
+def _start_sampler(interval: float = 0.02) -> None:
+    import psutil
+
+    process = psutil.Process()
+    stop = threading.Event()
+    state = _SAMPLER
+    state.update(peak=process.memory_info().rss, stop=stop)
+
+    def sample() -> None:
+        while not stop.is_set():
+            state["peak"] = max(state["peak"], process.memory_info().rss)
+            stop.wait(interval)
+
+    thread = threading.Thread(target=sample, daemon=True, name="gpushuffle-rss-sampler")
+    state["thread"] = thread
+    thread.start()
+
+
+def _stop_sampler() -> int:
+    _SAMPLER["stop"].set()
+    _SAMPLER["thread"].join()
+    return int(_SAMPLER["peak"])
+
+
+def _collect(release_pool: bool) -> None:
+    from gpushuffle.engine.pool import host_pool
+
+    gc.collect()
+    if release_pool:
+        host_pool().release_idle(0)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # pragma: no cover - not glibc
+        pass
+
+
+def run_benchmark(
+    *,
+    rows: int = 24_000_000,
+    columns: int = 16,
+    partitions: int = 40,
+    workers: int = 2,
+    threads: int = 1,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    repeat: int = 1,
+    protocol: str = "tcp",
+    memory_limit: str | None = None,
+    on_result: Any = None,
+) -> tuple[list[Result], dict[str, Any]]:
+    """Run each method ``repeat`` times on one cluster; return results and context."""
+    import dask
+    import dask.dataframe as dd
+    from distributed import Client, LocalCluster, wait
+
+    import gpushuffle  # noqa: F401  (registers the method)
+
+    per_part = -(-rows // partitions)
+    sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
+    cluster_kwargs: dict[str, Any] = dict(
+        n_workers=workers,
+        threads_per_worker=threads,
+        protocol=protocol,
+        dashboard_address=":0",
+    )
+    if memory_limit is not None:
+        cluster_kwargs["memory_limit"] = memory_limit
+    results: list[Result] = []
+    with (
+        dask.config.set({"distributed.worker.memory.terminate": False}),
+        LocalCluster(**cluster_kwargs) as cluster,
+        Client(cluster) as client,
+    ):
+        df = dd.from_map(
+            make_partition,
+            range(partitions),
+            sizes,
+            [columns] * partitions,
+            [rows] * partitions,
+            meta=make_partition(0, 0, columns, rows),
+            enforce_metadata=False,
+        ).persist()
+        wait(df)
+        input_bytes = int(df.memory_usage(deep=True, index=True).sum().compute())
+        context = {
+            "rows": rows,
+            "columns": columns,
+            "partitions": partitions,
+            "workers": workers,
+            "threads_per_worker": threads,
+            "protocol": protocol,
+            "input_bytes": input_bytes,
+            "machine": machine_description(),
+            "versions": versions(),
+        }
+        for method in methods:
+            for r in range(repeat):
+                client.run(_collect, r == 0)
+                client.run(_start_sampler)
+                start = time.perf_counter()
+                lengths = (
+                    df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
+                )
+                wall = time.perf_counter() - start
+                peaks = client.run(_stop_sampler)
+                result = Result(
+                    method=method,
+                    repeat=r,
+                    wall_s=wall,
+                    input_bytes=input_bytes,
+                    rows_out=int(lengths.sum()),
+                    peak_worker_rss_bytes=max(peaks.values()),
+                )
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+    return results, context
+
+
+def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
+    """Median per method, with the ratio to gpushuffle's median wall time."""
+    by_method: dict[str, list[Result]] = {}
+    for r in results:
+        by_method.setdefault(r.method, []).append(r)
+    base = statistics.median(r.wall_s for r in by_method.get("gpushuffle", results))
+    rows = []
+    for method, rs in by_method.items():
+        wall = statistics.median(r.wall_s for r in rs)
+        rows.append(
+            {
+                "method": method,
+                "runs": len(rs),
+                "wall_s": wall,
+                "wall_s_all": [round(r.wall_s, 2) for r in rs],
+                "input_bytes": rs[0].input_bytes,
+                "gib_per_s": rs[0].input_bytes / 2**30 / wall,
+                "rows_out": rs[0].rows_out,
+                "peak_worker_rss_bytes": int(statistics.median(r.peak_worker_rss_bytes for r in rs)),
+                "vs_gpushuffle": wall / base,
+            }
+        )
+    return rows
+
+
+def machine_description() -> str:
+    import psutil
+
+    return (
+        f"{platform.node() or 'host'}: {os.cpu_count()} cores, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+        f"{platform.system()} {platform.machine()}, Python {platform.python_version()}"
+    )
+
+
+def versions() -> dict[str, str]:
+    import dask
+    import distributed
+
+    import gpushuffle
+
+    return {
+        "gpushuffle": gpushuffle.__version__,
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "pandas": pd.__version__,
+        "numpy": np.__version__,
+    }
+
+
+def format_table(summary: Sequence[dict[str, Any]]) -> str:
+    header = f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}{'peak RSS GiB':>14}{'x gpushuffle':>14}"
+    lines = [header, "-" * len(header)]
+    for s in summary:
+        lines.append(
+            f"{s['method']:<12}{s['runs']:>5}{s['wall_s']:>9.2f}{s['gib_per_s']:>8.3f}"
+            f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}{s['vs_gpushuffle']:>14.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) -> None:
+    records = [
+        {**asdict(r), "gib_per_s": r.gib_per_s, "machine": context["machine"]} for r in results
+    ]
+    with open(path, "w") as f:
+        json.dump(records, f, indent=2)

@@ -1,0 +1,128 @@
+"""The ``gpushuffle`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from gpushuffle.bench import DEFAULT_METHODS
+
+
+@click.group()
+@click.version_option(package_name="gpushuffle")
+def main() -> None:
+    """A peer-to-peer shuffle for Dask DataFrames."""
+
+
+@main.command()
+@click.option("--rows", default=24_000_000, show_default=True, help="Total rows.")
+@click.option("--columns", default=16, show_default=True, help="Columns, the key included.")
+@click.option("--partitions", default=40, show_default=True, help="Input (= output) partitions.")
+@click.option("--workers", default=2, show_default=True)
+@click.option("--threads", default=1, show_default=True, help="Threads per worker.")
+@click.option(
+    "--methods",
+    default=",".join(DEFAULT_METHODS),
+    show_default=True,
+    help="Comma-separated shuffle methods, run in this order.",
+)
+@click.option("--repeat", default=1, show_default=True, help="Runs per method (interleaved).")
+@click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "ucx"]))
+@click.option("--memory-limit", default=None, help="Worker memory limit, e.g. '8GiB'.")
+@click.option("--json", "json_path", default=None, help="Write per-run results here.")
+def bench(
+    rows: int,
+    columns: int,
+    partitions: int,
+    workers: int,
+    threads: int,
+    methods: str,
+    repeat: int,
+    protocol: str,
+    memory_limit: str | None,
+    json_path: str | None,
+) -> None:
+    """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
+    from gpushuffle.bench import format_table, run_benchmark, summarize, write_json
+
+    def progress(r):  # type: ignore[no-untyped-def]
+        click.echo(
+            f"  {r.method:<11} run {r.repeat}: {r.wall_s:7.2f} s, "
+            f"{r.rows_out:,} rows, peak worker RSS {r.peak_worker_rss_bytes / 2**30:.2f} GiB",
+            err=True,
+        )
+
+    results, context = run_benchmark(
+        rows=rows,
+        columns=columns,
+        partitions=partitions,
+        workers=workers,
+        threads=threads,
+        methods=[m.strip() for m in methods.split(",") if m.strip()],
+        repeat=repeat,
+        protocol=protocol,
+        memory_limit=memory_limit,
+        on_result=progress,
+    )
+    click.echo(
+        f"{context['rows']:,} rows x {context['columns']} columns, "
+        f"{context['partitions']} partitions, {context['input_bytes'] / 2**30:.2f} GiB; "
+        f"{context['workers']} workers x {context['threads_per_worker']} threads over "
+        f"{context['protocol']}\n{context['machine']}\n{json.dumps(context['versions'])}"
+    )
+    click.echo(format_table(summarize(results)))
+    if json_path:
+        write_json(json_path, results, context)
+        click.echo(f"wrote {json_path}")
+
+
+@main.command()
+@click.option("--rows", default=4_000_000, show_default=True)
+@click.option("--partitions", default=16, show_default=True)
+@click.option("--workers", default=2, show_default=True)
+def demo(rows: int, partitions: int, workers: int) -> None:
+    """Shuffle a generated frame on an embedded local cluster and check it."""
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client, LocalCluster
+
+    import gpushuffle
+    from gpushuffle.bench import make_partition
+
+    per_part = -(-rows // partitions)
+    sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
+    with (
+        LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        click.echo(f"cluster: {len(client.scheduler_info()['workers'])} CPU workers (pandas)")
+        df = dd.from_map(
+            make_partition,
+            range(partitions),
+            sizes,
+            [8] * partitions,
+            [rows] * partitions,
+            meta=make_partition(0, 0, 8, rows),
+        ).persist()
+        nbytes = int(df.memory_usage(deep=True).sum().compute())
+        start = time.perf_counter()
+        out = gpushuffle.shuffle(df, "key").persist()
+        lengths = out.map_partitions(len).compute()
+        wall = time.perf_counter() - start
+        # Every key must sit in exactly one output partition.
+        keys = out.map_partitions(lambda p: pd.Series(p["key"].unique())).compute()
+        ok = int(lengths.sum()) == rows and keys.is_unique
+        click.echo(
+            f"shuffled {rows:,} rows ({nbytes / 2**30:.2f} GiB) into {len(lengths)} partitions "
+            f"in {wall:.2f} s ({nbytes / 2**30 / wall:.2f} GiB/s); "
+            f"every row present once, each key in one partition: {'yes' if ok else 'NO'}"
+        )
+        if not ok:
+            sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

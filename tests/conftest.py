@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from distributed import Client, LocalCluster
+
+import gpushuffle  # noqa: F401  (registers the shuffle method)
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    # Real worker processes over TCP: shards for the other worker are
+    # serialized and sent, shards for the same worker are not.
+    with LocalCluster(
+        n_workers=2,
+        threads_per_worker=2,
+        processes=True,
+        dashboard_address=":0",
+        worker_dashboard_address=":0",
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with Client(cluster) as client:
+        yield client
+        # Every test leaves the workers as it found them.
+        assert_nothing_left_behind(client)
+
+
+def _worker_leftovers(dask_worker) -> dict:
+    plugin = dask_worker.plugins["shuffle"]
+    runs = plugin.shuffle_runs
+    files = [
+        name
+        for name in os.listdir(dask_worker.local_directory)
+        if name.startswith(("gpushuffle", "shuffle"))
+    ]
+    return {"active": list(runs._active_runs), "runs": len(runs._runs), "files": files}
+
+
+def assert_nothing_left_behind(client: Client) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        state = client.run(_worker_leftovers)
+        if all(not s["active"] and not s["runs"] and not s["files"] for s in state.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"shuffle state left on workers: {state}")
+        time.sleep(0.1)

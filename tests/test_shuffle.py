@@ -1,0 +1,249 @@
+"""End to end on a real cluster: gpushuffle against pandas and dask's tasks shuffle."""
+
+from __future__ import annotations
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from truth import (
+    assert_meta_dtypes,
+    assert_same_partitions,
+    canonical,
+    checksum,
+    partitions_of,
+)
+
+import gpushuffle
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_frame(n: int = 2000, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    key = rng.integers(0, 50, n)
+    ints = pd.array(rng.integers(-5, 5, n), dtype="Int64")
+    ints[rng.random(n) < 0.2] = pd.NA
+    strings = np.array([f"s{i % 37}" for i in range(n)], dtype=object)
+    return pd.DataFrame(
+        {
+            "key": key,
+            "row": np.arange(n),
+            "f": rng.random(n),
+            "b": rng.random(n) < 0.5,
+            "obj": pd.Series(strings, dtype=object),
+            "str": pd.Series(strings).astype("string[pyarrow]"),
+            "cat": pd.Categorical(rng.choice(["x", "y", "z"], n)),
+            "ts": pd.date_range("2020-01-01", periods=n, freq="h", tz="Europe/Berlin"),
+            "nullable": ints,
+        },
+        index=pd.Index(np.arange(n) * 3, name="idx"),
+    )
+
+
+def check(ours, truth_ddf, source: pd.DataFrame) -> list[pd.DataFrame]:
+    """Partition by partition equal to ``truth``; all of ``source`` present once."""
+    parts = partitions_of(ours)
+    assert_same_partitions(parts, partitions_of(truth_ddf))
+    assert_meta_dtypes(parts, ours._meta)
+    whole = pd.concat(parts)
+    assert len(whole) == len(source)
+    assert checksum(whole) == checksum(source)
+    return parts
+
+
+def test_all_dtypes_match_tasks_and_pandas(client):
+    pdf = make_frame()
+    df = dd.from_pandas(pdf, npartitions=6, sort=False)
+    ours = df.shuffle("key", npartitions=5, shuffle_method="gpushuffle")
+    truth = df.shuffle("key", npartitions=5, shuffle_method="tasks")
+    parts = check(ours, truth, pdf)
+    # Grouped by input partition, in input order: "row" increases in every output.
+    for part in parts:
+        assert part["row"].is_monotonic_increasing
+    pd.testing.assert_frame_equal(canonical(pd.concat(parts)), canonical(pdf))
+
+
+def test_public_function_equals_method(client):
+    pdf = make_frame(500)
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    a = partitions_of(gpushuffle.shuffle(df, "key", npartitions=3))
+    b = partitions_of(df.shuffle("key", npartitions=3, shuffle_method="gpushuffle"))
+    for x, y in zip(a, b):
+        pd.testing.assert_frame_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "on",
+    [["key"], ["key", "cat"], ["str", "b"], ["ts"], ["nullable"]],
+    ids=lambda on: "+".join(on),
+)
+def test_key_columns(client, on):
+    pdf = make_frame(1500, seed=1)
+    df = dd.from_pandas(pdf, npartitions=5, sort=False)
+    check(
+        df.shuffle(on, npartitions=4, shuffle_method="gpushuffle"),
+        df.shuffle(on, npartitions=4, shuffle_method="tasks"),
+        pdf,
+    )
+
+
+def test_nulls_in_key(client):
+    pdf = make_frame(1200, seed=2)
+    pdf["fkey"] = np.where(np.arange(len(pdf)) % 7 == 0, np.nan, pdf["key"].astype(float))
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    check(
+        df.shuffle("fkey", npartitions=6, shuffle_method="gpushuffle"),
+        df.shuffle("fkey", npartitions=6, shuffle_method="tasks"),
+        pdf,
+    )
+    check(
+        df.shuffle("nullable", npartitions=3, shuffle_method="gpushuffle"),
+        df.shuffle("nullable", npartitions=3, shuffle_method="tasks"),
+        pdf,
+    )
+
+
+def test_shuffle_on_index(client):
+    pdf = make_frame(1000, seed=3)
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    check(
+        df.shuffle("idx", npartitions=3, shuffle_method="gpushuffle"),
+        df.shuffle("idx", npartitions=3, shuffle_method="tasks"),
+        pdf,
+    )
+    check(
+        df.shuffle(on=df.index, npartitions=5, shuffle_method="gpushuffle"),
+        df.shuffle(on=df.index, npartitions=5, shuffle_method="tasks"),
+        pdf,
+    )
+
+
+@pytest.mark.parametrize(
+    ("nin", "nout"), [(3, 8), (8, 3), (1, 6), (6, 1), (1, 1)], ids=lambda v: str(v)
+)
+def test_partition_counts(client, nin, nout):
+    pdf = make_frame(900, seed=nin * 10 + nout)
+    df = dd.from_pandas(pdf, npartitions=nin, sort=False)
+    parts = check(
+        df.shuffle("key", npartitions=nout, shuffle_method="gpushuffle"),
+        df.shuffle("key", npartitions=nout, shuffle_method="tasks"),
+        pdf,
+    )
+    assert len(parts) == nout
+
+
+def test_empty_inputs_and_empty_outputs(client):
+    pdf = make_frame(400, seed=4)
+    # Few distinct keys and many outputs: most outputs receive nothing.
+    pdf["key"] = pdf["key"] % 3
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    # Filtering empties some input partitions entirely.
+    df = df[df["row"] >= 250]
+    sub = pdf[pdf["row"] >= 250]
+    assert 0 in df.map_partitions(len).compute().tolist()
+    ours = df.shuffle("key", npartitions=20, shuffle_method="gpushuffle")
+    parts = check(ours, df.shuffle("key", npartitions=20, shuffle_method="tasks"), sub)
+    empty = [p for p in parts if not len(p)]
+    assert len(empty) >= 17
+    # An output that received nothing is meta: same columns, dtypes, index dtype.
+    for p in empty:
+        assert p.index.name == "idx"
+        assert p.index.dtype == pdf.index.dtype
+
+
+def test_all_inputs_empty(client):
+    pdf = make_frame(100).iloc[:0]
+    df = dd.from_pandas(pdf, npartitions=1)
+    parts = partitions_of(df.shuffle("key", npartitions=3, shuffle_method="gpushuffle"))
+    assert [len(p) for p in parts] == [0, 0, 0]
+    assert_meta_dtypes(parts, pdf)
+
+
+def test_ignore_index(client):
+    pdf = make_frame(600, seed=5)
+    df = dd.from_pandas(pdf, npartitions=3, sort=False)
+    ours = df.shuffle("key", npartitions=4, ignore_index=True, shuffle_method="gpushuffle")
+    parts = partitions_of(ours)
+    truth = partitions_of(df.shuffle("key", npartitions=4, shuffle_method="tasks"))
+    for a, b in zip(parts, truth):
+        assert isinstance(a.index, pd.RangeIndex)
+        assert checksum(a, index=False) == checksum(b, index=False)
+
+
+def test_two_shuffles_at_once_and_twice(client):
+    pdf = make_frame(800, seed=6)
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    a = df.shuffle("key", npartitions=3, shuffle_method="gpushuffle")
+    b = df.shuffle("str", npartitions=5, shuffle_method="gpushuffle")
+    la, lb = dask.compute(a.map_partitions(len), b.map_partitions(len))
+    assert la.sum() == lb.sum() == len(pdf)
+    ta = df.shuffle("key", npartitions=3, shuffle_method="tasks")
+    tb = df.shuffle("str", npartitions=5, shuffle_method="tasks")
+    assert la.tolist() == ta.map_partitions(len).compute().tolist()
+    assert lb.tolist() == tb.map_partitions(len).compute().tolist()
+    # The same shuffle again: a new run, the same answer.
+    first = partitions_of(a)
+    second = partitions_of(a)
+    for x, y in zip(first, second):
+        pd.testing.assert_frame_equal(x, y)
+
+
+def test_head_computes_some_outputs(client):
+    pdf = make_frame(1000, seed=7)
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    ours = df.shuffle("key", npartitions=6, shuffle_method="gpushuffle")
+    truth = df.shuffle("key", npartitions=6, shuffle_method="tasks")
+    head = ours.head(5, npartitions=2)
+    assert len(head) == 5
+    expected = pd.concat(partitions_of(truth)[:2])
+    assert set(head["row"]) <= set(expected["row"])
+    one = ours.partitions[4].compute()
+    assert checksum(one) == checksum(truth.partitions[4].compute())
+
+
+def test_config_default_method(client):
+    pdf = make_frame(500, seed=8)
+    df = dd.from_pandas(pdf, npartitions=3, sort=False)
+    with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+        ours = df.shuffle("key", npartitions=4)
+        keys = ours.__dask_graph__().keys()
+        assert any(str(k).startswith("('gpushuffle-transfer") for k in map(str, keys))
+        parts = partitions_of(ours)
+    truth = partitions_of(df.shuffle("key", npartitions=4, shuffle_method="tasks"))
+    assert_same_partitions(parts, truth)
+
+
+def test_other_methods_untouched(client):
+    pdf = make_frame(300, seed=9)
+    df = dd.from_pandas(pdf, npartitions=3, sort=False)
+    for method in ("tasks", "p2p", "disk"):
+        graph = df.shuffle("key", npartitions=2, shuffle_method=method).__dask_graph__()
+        assert not any("gpushuffle" in str(k) for k in graph.keys()), method
+    with pytest.raises(ValueError, match="not supported"):
+        df.shuffle("key", shuffle_method="no-such-method").compute()
+    gpushuffle.api.install()  # idempotent: a second install must not wrap twice
+    graph = df.shuffle("key", npartitions=2, shuffle_method="tasks").__dask_graph__()
+    assert not any("gpushuffle" in str(k) for k in graph.keys())
+
+
+def test_task_names(client):
+    df = dd.from_pandas(make_frame(100), npartitions=2)
+    keys = [str(k) for k in df.shuffle("key", shuffle_method="gpushuffle").__dask_graph__()]
+    assert any("gpushuffle-transfer-" in k for k in keys)
+    assert any("gpushuffle-unpack-" in k for k in keys)
+    assert any(k.startswith("shuffle-barrier-") for k in keys)
+
+
+def test_unsupported_frame_type_fails_at_graph_construction():
+    from gpushuffle.backends import backend_for
+
+    with pytest.raises(TypeError, match="cannot shuffle"):
+        backend_for(np.zeros(3))
+
+
+def test_npartitions_must_be_positive():
+    df = dd.from_pandas(make_frame(10), npartitions=1)
+    with pytest.raises(ValueError, match="at least 1"):
+        gpushuffle.shuffle(df, "key", npartitions=0)

@@ -120,7 +120,7 @@ def install() -> None:
         return _lower_with_gpushuffle(self, current)
 
     _lower._gpushuffle = True  # type: ignore[attr-defined]
-    Shuffle._lower = _lower
+    Shuffle._lower = _lower  # type: ignore[method-assign]
 
 
 def shuffle(

@@ -94,6 +94,23 @@ def _collect(release_pool: bool) -> None:
         pass
 
 
+def _scheduler_task_count(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.tasks)
+
+
+def _wait_until_released(client: Any, baseline: int, timeout: float = 30) -> None:
+    """Wait until the scheduler forgot the last run's tasks.
+
+    The next run builds the same graph; keys still held would be reused
+    instead of recomputed.
+    """
+    deadline = time.monotonic() + timeout
+    while client.run_on_scheduler(_scheduler_task_count) > baseline:
+        if time.monotonic() > deadline:
+            raise RuntimeError("tasks of the previous run were not released")
+        time.sleep(0.05)
+
+
 def run_benchmark(
     *,
     rows: int = 24_000_000,
@@ -152,16 +169,16 @@ def run_benchmark(
             "machine": machine_description(),
             "versions": versions(),
         }
+        baseline_tasks = client.run_on_scheduler(_scheduler_task_count)
         for method in methods:
             for r in range(repeat):
                 client.run(_collect, r == 0)
                 client.run(_start_sampler)
                 start = time.perf_counter()
-                lengths = (
-                    df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
-                )
+                lengths = df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
                 wall = time.perf_counter() - start
                 peaks = client.run(_stop_sampler)
+                _wait_until_released(client, baseline_tasks)
                 result = Result(
                     method=method,
                     repeat=r,
@@ -194,7 +211,9 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                 "input_bytes": rs[0].input_bytes,
                 "gib_per_s": rs[0].input_bytes / 2**30 / wall,
                 "rows_out": rs[0].rows_out,
-                "peak_worker_rss_bytes": int(statistics.median(r.peak_worker_rss_bytes for r in rs)),
+                "peak_worker_rss_bytes": int(
+                    statistics.median(r.peak_worker_rss_bytes for r in rs)
+                ),
                 "vs_gpushuffle": wall / base,
             }
         )
@@ -227,12 +246,16 @@ def versions() -> dict[str, str]:
 
 
 def format_table(summary: Sequence[dict[str, Any]]) -> str:
-    header = f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}{'peak RSS GiB':>14}{'x gpushuffle':>14}"
+    header = (
+        f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}"
+        f"{'peak RSS GiB':>14}{'x gpushuffle':>14}"
+    )
     lines = [header, "-" * len(header)]
     for s in summary:
         lines.append(
             f"{s['method']:<12}{s['runs']:>5}{s['wall_s']:>9.2f}{s['gib_per_s']:>8.3f}"
-            f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}{s['vs_gpushuffle']:>14.2f}"
+            f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}"
+            f"{s['vs_gpushuffle']:>14.2f}"
         )
     return "\n".join(lines)
 

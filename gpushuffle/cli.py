@@ -46,9 +46,9 @@ def bench(
     json_path: str | None,
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
-    from gpushuffle.bench import format_table, run_benchmark, summarize, write_json
+    from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
 
-    def progress(r):  # type: ignore[no-untyped-def]
+    def progress(r: Result) -> None:
         click.echo(
             f"  {r.method:<11} run {r.repeat}: {r.wall_s:7.2f} s, "
             f"{r.rows_out:,} rows, peak worker RSS {r.peak_worker_rss_bytes / 2**30:.2f} GiB",

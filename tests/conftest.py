@@ -41,12 +41,18 @@ def _worker_leftovers(dask_worker) -> dict:
     return {"active": list(runs._active_runs), "runs": len(runs._runs), "files": files}
 
 
+def _scheduler_leftovers(dask_scheduler) -> dict:
+    plugin = dask_scheduler.plugins["shuffle"]
+    return {"active": list(plugin.active_shuffles), "runs": 0, "files": []}
+
+
 def assert_nothing_left_behind(client: Client) -> None:
     import time
 
     deadline = time.monotonic() + 10
     while True:
         state = client.run(_worker_leftovers)
+        state["scheduler"] = client.run_on_scheduler(_scheduler_leftovers)
         if all(not s["active"] and not s["runs"] and not s["files"] for s in state.values()):
             return
         if time.monotonic() > deadline:

@@ -29,7 +29,7 @@ def canonical(df: pd.DataFrame) -> pd.DataFrame:
 def assert_same_partitions(ours: list[pd.DataFrame], truth: list[pd.DataFrame]) -> None:
     """Each output partition holds the same rows as the truth's partition."""
     assert len(ours) == len(truth)
-    for i, (a, b) in enumerate(zip(ours, truth)):
+    for i, (a, b) in enumerate(zip(ours, truth, strict=True)):
         assert len(a) == len(b), f"partition {i}: {len(a)} rows, truth has {len(b)}"
         assert checksum(a) == checksum(b), f"partition {i}: rows differ from the truth"
 

@@ -99,7 +99,10 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     else:
         out = pd.concat([pd.Series(p, copy=False) for p in parts], ignore_index=True).array
     if out.dtype != dtype:
-        out = out.astype(dtype, copy=False)
+        if isinstance(out, np.ndarray) and not isinstance(dtype, np.dtype):
+            out = pd.Series(out, copy=False).astype(dtype).array
+        else:
+            out = out.astype(dtype, copy=False)
     return out
 
 
@@ -183,6 +186,11 @@ class PandasBackend(TableBackend):
         # of consolidating into 2-d blocks, which would copy everything again.
         df = pd.DataFrame(dict(enumerate(arrays)), index=index, copy=False)
         df.columns = meta.columns
+        for i, (actual, expected) in enumerate(zip(df.dtypes, meta.dtypes, strict=True)):
+            if actual != expected and arrays[i].dtype == expected:
+                # The constructor infers (pandas 3 turns object strings into
+                # "str"); put meta's dtype back on such columns.
+                df.isetitem(i, pd.Series(arrays[i], index=index, dtype=expected, copy=False))
         return df
 
     def empty(self, meta: pd.DataFrame) -> pd.DataFrame:

@@ -77,20 +77,24 @@ class HostBufferPool:
         nbytes = n * dtype.itemsize
         if self.limit <= 0 or nbytes < MIN_POOLED_BYTES or dtype.hasobject:
             return np.empty(n, dtype=dtype)
+        stats = self.statistics
         with self._lock:
             self._absorb_returned()
-            self.statistics.requests += 1
+            stats.requests += 1
             block = self._take(nbytes)
+            if block is not None:
+                stats.reused += 1
+                stats.bytes_reused += block.nbytes
         if block is None:
             block = np.empty(-(-nbytes // _ALIGN) * _ALIGN, dtype=np.uint8)
-            self.statistics.bytes_fresh += block.nbytes
-        else:
-            self.statistics.reused += 1
-            self.statistics.bytes_reused += block.nbytes
-        owner = (ctypes.c_char * block.nbytes).from_buffer(block)
+            with self._lock:
+                stats.bytes_fresh += block.nbytes
+        # Views of ``block`` itself would collapse their base onto it, so
+        # lifetime is tracked on a ctypes owner that every view keeps alive.
+        owner = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
         weakref.finalize(owner, self._returned.append, block)
         self._ensure_trimmer()
-        return np.frombuffer(owner, dtype=dtype, count=n)
+        return np.frombuffer(owner, dtype=dtype, count=n)  # type: ignore[call-overload]
 
     def _take(self, nbytes: int) -> np.ndarray | None:
         i = bisect.bisect_left(self._sizes, nbytes)
@@ -118,10 +122,14 @@ class HostBufferPool:
     def release_idle(self, older_than: float | None = None) -> int:
         """Release free blocks unused for ``older_than`` seconds (all if 0)."""
         older_than = self.idle_release if older_than is None else older_than
-        cutoff = time.monotonic() - older_than
         with self._lock:
             self._absorb_returned()
-            keep = [(s, b) for s, b in zip(self._sizes, self._blocks) if b[1] > cutoff]
+            cutoff = time.monotonic() - older_than
+            keep = [
+                (s, b)
+                for s, b in zip(self._sizes, self._blocks, strict=True)
+                if older_than > 0 and b[1] > cutoff
+            ]
             released = self.statistics.bytes_free - sum(s for s, _ in keep)
             self._sizes = [s for s, _ in keep]
             self._blocks = [b for _, b in keep]

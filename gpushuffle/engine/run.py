@@ -131,9 +131,7 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
 
     def _shard_partition(self, data: Any, partition_id: int) -> dict[str, tuple[int, Shard]]:
         backend = self.backend
-        table, offsets = backend.split(
-            data, self.column, self.rank, self.nranks, self.keep_index
-        )
+        table, offsets = backend.split(data, self.column, self.rank, self.nranks, self.keep_index)
         out: dict[str, tuple[int, Shard]] = {}
         for address, (first, last) in self.rank_range.items():
             start, stop = int(offsets[first]), int(offsets[last])
@@ -155,9 +153,7 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
 
-    async def send(
-        self, address: str, shards: list[tuple[int, Shard]]
-    ) -> OKMessage | ErrorMessage:
+    async def send(self, address: str, shards: list[tuple[int, Shard]]) -> OKMessage | ErrorMessage:
         # The base class measures shards with memoryview(), which fails on
         # frames and device buffers; shards serialize themselves instead.
         return await retry(

@@ -48,7 +48,9 @@ class ShardStore:
         if not total_rows:
             return
         bounds = shard.offsets.tolist()
-        for partition, start, stop in zip(shard.partitions.tolist(), bounds, bounds[1:]):
+        for partition, start, stop in zip(
+            shard.partitions.tolist(), bounds, bounds[1:], strict=False
+        ):
             if stop > start:
                 piece = self._backend.slice(shard.table, start, stop)
                 nbytes = shard.nbytes * (stop - start) // total_rows

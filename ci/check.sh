@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Static checks: formatting, lint, types.  Expects .venv from the test command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff format --check gpushuffle tests benchmarks
+.venv/bin/ruff check gpushuffle tests benchmarks
+.venv/bin/mypy

@@ -1,0 +1,227 @@
+"""The pandas backend on its own: split, wire round trip, concat, against pandas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from truth import checksum
+
+from gpushuffle.backends import backend_for, backend_named
+from gpushuffle.backends.pandas import PandasBackend
+from gpushuffle.engine.pool import HostBufferPool
+from gpushuffle.errors import ShuffleInputError
+from gpushuffle.transport import Shard
+
+
+def frame_with_partitions(n: int, nparts: int, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(0, 100, n),
+            "b": rng.random(n),
+            "s": pd.array([f"v{i}" for i in range(n)], dtype="string[pyarrow]"),
+            "c": pd.Categorical(rng.choice(["p", "q"], n)),
+            "n": pd.array(np.where(rng.random(n) < 0.3, None, rng.integers(0, 9, n)), "Int64"),
+        },
+        index=pd.Index(rng.permutation(n) * 7, name="ix"),
+    )
+    df["_partitions"] = rng.integers(0, nparts, n).astype(np.int16)
+    return df
+
+
+def split_and_concat(df: pd.DataFrame, nparts: int, keep_index: bool = True):
+    backend = PandasBackend()
+    rank = np.arange(nparts, dtype=np.int16)
+    table, offsets = backend.split(df, "_partitions", rank, nparts, keep_index)
+    meta = df.iloc[:0].drop(columns="_partitions")
+    if not keep_index:
+        meta = meta.reset_index(drop=True)
+    outs = []
+    for p in range(nparts):
+        piece = backend.slice(table, int(offsets[p]), int(offsets[p + 1]))
+        outs.append(backend.concat([piece], meta, keep_index) if len(piece) else None)
+    return outs, offsets
+
+
+def test_split_groups_rows_by_partition_in_input_order():
+    df = frame_with_partitions(1000, 7)
+    outs, offsets = split_and_concat(df, 7)
+    assert offsets[-1] == len(df)
+    for p, out in enumerate(outs):
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        pd.testing.assert_frame_equal(out, expected)
+
+
+def test_unwanted_partitions_are_dropped():
+    df = frame_with_partitions(500, 5)
+    backend = PandasBackend()
+    rank = np.array([0, 2, 1, 2, 2], dtype=np.int16)  # only partitions 0 and 2 wanted
+    table, offsets = backend.split(df, "_partitions", rank, 2, True)
+    assert len(offsets) == 3
+    assert len(table) == (df["_partitions"].isin([0, 2])).sum()
+    first = backend.slice(table, 0, int(offsets[1]))
+    assert first.index.equals(df.index[df["_partitions"] == 0])
+    second = backend.slice(table, int(offsets[1]), int(offsets[2]))
+    assert second.index.equals(df.index[df["_partitions"] == 2])
+
+
+def test_wire_round_trip_is_zero_copy_and_exact():
+    df = frame_with_partitions(300_000, 4)
+    backend = PandasBackend()
+    table, offsets = backend.split(df, "_partitions", np.arange(4, dtype=np.int16), 4, True)
+    view = backend.slice(table, int(offsets[1]), int(offsets[3]))
+    header, frames = backend.serialize(view)
+    # Numeric columns and the index travel out of band, as views of the table.
+    b_column = table.columns[1]
+    assert any(
+        np.shares_memory(np.frombuffer(f, dtype=np.uint8), b_column.view(np.uint8))
+        for f in frames[1:]
+    )
+    back = backend_named("pandas").deserialize(header, [memoryview(f) for f in frames])
+    meta = df.iloc[:0].drop(columns="_partitions")
+    pd.testing.assert_frame_equal(
+        backend.concat([back], meta, True), backend.concat([view], meta, True)
+    )
+
+
+def test_shard_serializes_through_distributed():
+    from distributed.protocol import deserialize, serialize
+
+    df = frame_with_partitions(1000, 3)
+    backend = PandasBackend()
+    table, offsets = backend.split(df, "_partitions", np.arange(3, dtype=np.int16), 3, True)
+    shard = Shard("pandas", 5, np.arange(3), offsets, table, backend.nbytes(table))
+    header, frames = serialize(shard, serializers=("dask",))
+    assert header["serializer"] == "dask"
+    back = deserialize(header, frames)
+    assert back.input_partition == 5
+    assert back.offsets.tolist() == offsets.tolist()
+    meta = df.iloc[:0].drop(columns="_partitions")
+    pd.testing.assert_frame_equal(
+        backend.concat([back.table], meta, True), backend.concat([table], meta, True)
+    )
+
+
+def test_concat_casts_to_meta_without_losing_values():
+    backend = PandasBackend()
+    meta = pd.DataFrame(
+        {"c": pd.Categorical([], categories=["x", "y", "z"]), "i": pd.array([], "Int64")}
+    )
+    a = pd.DataFrame({"c": pd.Categorical(["x"]), "i": np.array([1])})
+    b = pd.DataFrame({"c": pd.Categorical(["z", "y"]), "i": np.array([2, 3])})
+    tables = []
+    for part in (a, b):
+        part = part.assign(_partitions=np.int8(0))
+        t, _ = backend.split(part, "_partitions", np.zeros(1, np.int16), 1, False)
+        tables.append(t)
+    out = backend.concat(tables, meta, keep_index=False)
+    assert out["c"].dtype == meta["c"].dtype
+    assert out["c"].tolist() == ["x", "z", "y"]
+    assert out["i"].dtype == "Int64"
+    assert out["i"].tolist() == [1, 2, 3]
+
+
+def test_categories_outside_meta_are_kept():
+    backend = PandasBackend()
+    meta = pd.DataFrame({"c": pd.Categorical([], categories=["x"])})
+    part = pd.DataFrame({"c": pd.Categorical(["x", "w"]), "_partitions": np.int8(0)})
+    t, _ = backend.split(part, "_partitions", np.zeros(1, np.int16), 1, False)
+    out = backend.concat([t], meta, keep_index=False)
+    assert out["c"].tolist() == ["x", "w"]
+
+
+def test_validate_names_the_problem():
+    backend = PandasBackend()
+    meta = pd.DataFrame({"a": [1], "_partitions": [0]}).iloc[:0]
+    with pytest.raises(ShuffleInputError, match=r"input partition 3 .*missing: \['a'\]"):
+        backend.validate(pd.DataFrame({"_partitions": [0]}), meta, "_partitions", 3)
+    with pytest.raises(ShuffleInputError, match="expected a pandas DataFrame"):
+        backend.validate(pd.Series([1]), meta, "_partitions", 0)
+    assert isinstance(backend_for(meta), PandasBackend)
+
+
+def test_pool_reuses_buffers_after_release():
+    pool = HostBufferPool(limit=64 << 20, idle_release=0)
+    a = pool.empty(1_000_000, np.float64)
+    a[:] = 1.0
+    view = a[10:20]
+    del a
+    assert pool.statistics.reused == 0
+    del view  # the last view gone: the block returns to the pool
+    b = pool.empty(900_000, np.float64)  # within the size slack: reused
+    assert pool.statistics.reused == 1
+    assert pool.statistics.bytes_fresh == pytest.approx(8_000_000, rel=0.01)
+    c = pool.empty(1_000_000, np.int64)  # b still alive: fresh
+    assert pool.statistics.reused == 1
+    del b, c
+    assert pool.release_idle(0) > 0
+    assert pool.statistics.bytes_free == 0
+
+
+def test_pool_respects_its_limit_and_small_requests_bypass_it():
+    pool = HostBufferPool(limit=10 << 20, idle_release=0)
+    arrays = [pool.empty(1_000_000, np.float64) for _ in range(3)]  # 3 x 8 MB
+    del arrays
+    small = pool.empty(10, np.float64)  # small: left to the allocator
+    assert small.base is None
+    assert pool.statistics.requests == 3
+    pool.empty(2_000_000, np.float64)  # 16 MB: absorbs the returned blocks, none fits
+    assert pool.statistics.bytes_free <= 10 << 20
+    assert pool.statistics.bytes_released >= 16_000_000
+
+
+dtypes = st.sampled_from(["int64", "float64", "bool", "string", "category", "Int64", "tz"])
+
+
+def column(dtype: str, n: int, rng: np.random.Generator) -> object:
+    if dtype == "int64":
+        return rng.integers(-(2**40), 2**40, n)
+    if dtype == "float64":
+        return np.where(rng.random(n) < 0.1, np.nan, rng.random(n))
+    if dtype == "bool":
+        return rng.random(n) < 0.5
+    if dtype == "string":
+        return pd.array([None if v < 0.1 else f"s{v:.3f}" for v in rng.random(n)], "string")
+    if dtype == "category":
+        return pd.Categorical(rng.choice(["a", "b", "c"], n))
+    if dtype == "Int64":
+        return pd.array(np.where(rng.random(n) < 0.2, None, rng.integers(0, 5, n)), "Int64")
+    return pd.date_range("2021-01-01", periods=n, freq="min", tz="UTC")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(0, 400),
+    nparts=st.integers(1, 12),
+    kinds=st.lists(dtypes, min_size=1, max_size=5),
+    skew=st.floats(0, 1),
+    keep_index=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_split_concat_property(n, nparts, kinds, skew, keep_index, seed):
+    """Any dtypes, nulls, partition counts and key skew: every row lands once, in order."""
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({f"c{i}": column(k, n, rng) for i, k in enumerate(kinds)})
+    hot = rng.random(n) < skew  # one partition takes most rows when skew is high
+    df["_partitions"] = np.where(hot, 0, rng.integers(0, nparts, n)).astype(np.int8)
+    outs, offsets = split_and_concat(df, nparts, keep_index)
+    assert offsets[-1] == n
+    got = [o for o in outs if o is not None]
+    total = sum(len(o) for o in got)
+    assert total == n
+    for p, out in enumerate(outs):
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        if out is None:
+            assert expected.empty
+            continue
+        if not keep_index:
+            expected = expected.reset_index(drop=True)
+        pd.testing.assert_frame_equal(out, expected)
+    if got:
+        whole = pd.concat(got)
+        assert checksum(whole, index=keep_index) == checksum(
+            df.drop(columns="_partitions"), index=keep_index
+        )

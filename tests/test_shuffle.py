@@ -262,3 +262,41 @@ def test_npartitions_must_be_positive():
     df = dd.from_pandas(make_frame(10), npartitions=1)
     with pytest.raises(ValueError, match="at least 1"):
         gpushuffle.shuffle(df, "key", npartitions=0)
+
+
+def _send_every_input_twice(dask_worker) -> None:
+    """Make transfer tasks hand their partition to the run twice, as a retry would."""
+    import gpushuffle.engine.tasks as tasks
+
+    original = tasks.transfer
+
+    def transfer_twice(input, id, input_partition):
+        original(input, id, input_partition)
+        return original(input, id, input_partition)
+
+    transfer_twice.original = original  # type: ignore[attr-defined]
+    tasks.transfer = transfer_twice
+
+
+def _restore_transfer(dask_worker) -> None:
+    import gpushuffle.engine.tasks as tasks
+
+    tasks.transfer = getattr(tasks.transfer, "original", tasks.transfer)
+
+
+def test_resent_input_partitions_are_ignored(client):
+    """Shards of an input partition that arrive twice, locally or remotely, count once."""
+    pdf = make_frame(1500, seed=12)
+    df = dd.from_pandas(pdf, npartitions=5, sort=False)
+    client.run(_send_every_input_twice)
+    try:
+        # The graph refers to gpushuffle.engine.tasks.transfer by name, so
+        # workers pick up the patched function when they unpickle tasks.
+        parts = check(
+            df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
+            df.shuffle("key", npartitions=4, shuffle_method="tasks"),
+            pdf,
+        )
+    finally:
+        client.run(_restore_transfer)
+    assert sum(len(p) for p in parts) == len(pdf)

@@ -11,8 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from gpushuffle import config as _config  # noqa: F401  (loads defaults)
 from gpushuffle import transport as _transport  # noqa: F401  (registers serializers)
-from gpushuffle.api import METHOD, install, shuffle
-from gpushuffle.errors import ShuffleInputError
+from gpushuffle.api import METHOD, install, shuffle, statistics
+from gpushuffle.errors import ShuffleDiskFullError, ShuffleInputError, ShuffleMemoryError
 
 try:
     __version__ = version("gpushuffle")
@@ -21,4 +21,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 install()
 
-__all__ = ["METHOD", "ShuffleInputError", "__version__", "shuffle"]
+__all__ = [
+    "METHOD",
+    "ShuffleDiskFullError",
+    "ShuffleInputError",
+    "ShuffleMemoryError",
+    "__version__",
+    "shuffle",
+    "statistics",
+]

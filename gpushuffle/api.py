@@ -155,3 +155,29 @@ def shuffle(
     if npartitions is not None and int(npartitions) < 1:
         raise ValueError(f"npartitions must be at least 1, got {npartitions}")
     return df.shuffle(on, npartitions=npartitions, ignore_index=ignore_index, shuffle_method=METHOD)
+
+
+def _worker_statistics() -> dict[str, Any]:
+    from gpushuffle.engine.memory import worker_memory
+    from gpushuffle.engine.pool import host_pool
+
+    row = worker_memory().snapshot()
+    for key, value in host_pool().statistics.as_dict().items():
+        row[f"host_pool_{key}"] = value
+    return row
+
+
+def statistics(client: Any) -> Any:
+    """Memory statistics of every worker, one row each (a pandas DataFrame).
+
+    Columns, cumulative since the worker started unless noted: for each tier
+    (``device``, ``host``, ``disk``) its ``_limit``, the ``_bytes`` received
+    shards hold there now and the ``_peak_bytes``; bytes and seconds moved
+    between tiers each way (``host_to_disk_bytes``, ``disk_to_host_seconds``,
+    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; and
+    the host buffer pool's counters (``host_pool_...``).
+    """
+    import pandas as pd
+
+    rows = client.run(_worker_statistics)
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("worker")

@@ -36,6 +36,7 @@ class Result:
     input_bytes: int
     rows_out: int
     peak_worker_rss_bytes: int
+    spilled_bytes: int = 0
 
     @property
     def gib_per_s(self) -> float:
@@ -94,6 +95,12 @@ def _collect(release_pool: bool) -> None:
         pass
 
 
+def _spilled(client: Any) -> int:
+    from gpushuffle.api import statistics
+
+    return int(statistics(client)["spilled_bytes"].sum())
+
+
 def _scheduler_task_count(dask_scheduler: Any) -> int:
     return len(dask_scheduler.tasks)
 
@@ -139,11 +146,15 @@ def run_benchmark(
         protocol=protocol,
         dashboard_address=":0",
     )
+    settings: dict[str, Any] = {"distributed.worker.memory.terminate": False}
     if memory_limit is not None:
-        cluster_kwargs["memory_limit"] = memory_limit
+        # The store's budget on each worker (the Nanny hands the worker this
+        # configuration); p2p keeps its own fixed buffers.
+        settings["gpushuffle.memory.host-limit"] = memory_limit
+        settings["gpushuffle.memory.device-limit"] = memory_limit
     results: list[Result] = []
     with (
-        dask.config.set({"distributed.worker.memory.terminate": False}),
+        dask.config.set(settings),
         LocalCluster(**cluster_kwargs) as cluster,
         Client(cluster) as client,
     ):
@@ -173,6 +184,7 @@ def run_benchmark(
         for method in methods:
             for r in range(repeat):
                 client.run(_collect, r == 0)
+                spilled_before = _spilled(client)
                 client.run(_start_sampler)
                 start = time.perf_counter()
                 lengths = df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
@@ -186,6 +198,7 @@ def run_benchmark(
                     input_bytes=input_bytes,
                     rows_out=int(lengths.sum()),
                     peak_worker_rss_bytes=max(peaks.values()),
+                    spilled_bytes=_spilled(client) - spilled_before,
                 )
                 results.append(result)
                 if on_result is not None:
@@ -214,6 +227,7 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                 "peak_worker_rss_bytes": int(
                     statistics.median(r.peak_worker_rss_bytes for r in rs)
                 ),
+                "spilled_bytes": int(statistics.median(r.spilled_bytes for r in rs)),
                 "vs_gpushuffle": wall / base,
             }
         )
@@ -248,14 +262,14 @@ def versions() -> dict[str, str]:
 def format_table(summary: Sequence[dict[str, Any]]) -> str:
     header = (
         f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}"
-        f"{'peak RSS GiB':>14}{'x gpushuffle':>14}"
+        f"{'peak RSS GiB':>14}{'spilled GiB':>13}{'x gpushuffle':>14}"
     )
     lines = [header, "-" * len(header)]
     for s in summary:
         lines.append(
             f"{s['method']:<12}{s['runs']:>5}{s['wall_s']:>9.2f}{s['gib_per_s']:>8.3f}"
             f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}"
-            f"{s['vs_gpushuffle']:>14.2f}"
+            f"{s['spilled_bytes'] / 2**30:>13.2f}{s['vs_gpushuffle']:>14.2f}"
         )
     return "\n".join(lines)
 

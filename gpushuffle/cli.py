@@ -31,7 +31,11 @@ def main() -> None:
 )
 @click.option("--repeat", default=1, show_default=True, help="Runs per method (interleaved).")
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "ucx"]))
-@click.option("--memory-limit", default=None, help="Worker memory limit, e.g. '8GiB'.")
+@click.option(
+    "--memory-limit",
+    default=None,
+    help="gpushuffle's store budget per worker (host and device), e.g. '256MiB'.",
+)
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
 def bench(
     rows: int,

@@ -3,7 +3,7 @@
 Defaults live in ``gpushuffle.yaml`` beside this file and are merged into
 ``dask.config`` on import, so they can be changed with ``dask.config.set``,
 a YAML file in ``~/.config/dask/`` or ``DASK_GPUSHUFFLE__...`` environment
-variables.
+variables.  Workers read them where they run.
 """
 
 from __future__ import annotations
@@ -28,14 +28,46 @@ def get(key: str) -> Any:
     return dask.config.get(f"gpushuffle.{key}")
 
 
-def parse_budget(value: Any, total: int | None) -> int:
+def parse_budget(value: Any, total: int | None, key: str = "") -> int:
     """Bytes from ``"2 GiB"``, ``2_000_000`` or a fraction of ``total`` (``0.25``)."""
+    where = f"gpushuffle.{key}" if key else "a memory budget"
     if isinstance(value, str):
-        return int(parse_bytes(value))
+        try:
+            return int(parse_bytes(value))
+        except ValueError:
+            raise ValueError(
+                f"{where}: cannot read {value!r} as bytes; use e.g. '2 GiB' or a fraction like 0.25"
+            ) from None
     if isinstance(value, float) and 0 <= value <= 1:
         if total is None:
-            raise ValueError(f"A fractional budget ({value}) needs a total to take it from")
+            raise ValueError(f"{where}: a fraction ({value}) needs a known total; give bytes")
         return int(value * total)
-    if isinstance(value, int | float) and value >= 0:
+    if isinstance(value, int | float) and value >= 0 and not isinstance(value, bool):
         return int(value)
-    raise ValueError(f"Not a memory budget: {value!r}; use bytes ('2 GiB') or a fraction (0.25)")
+    raise ValueError(f"{where}: {value!r} is not a memory budget; use bytes ('2 GiB') or 0.25")
+
+
+def worker_memory_limit() -> int:
+    """The current worker's memory limit, else the machine's memory."""
+    import psutil
+
+    try:
+        from distributed import get_worker
+
+        limit = get_worker().memory_manager.memory_limit
+        if limit:
+            return int(limit)
+    except (ImportError, ValueError, AttributeError):
+        pass
+    return int(psutil.virtual_memory().total)
+
+
+def device_memory_total() -> int | None:
+    """Total memory of the current CUDA device, or None without a usable one."""
+    try:
+        import rmm
+
+        _, total = rmm.mr.available_device_memory()
+        return int(total)
+    except Exception:
+        return None

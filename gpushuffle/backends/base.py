@@ -10,7 +10,7 @@ may live on a GPU, and its wire frames may be device buffers.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,6 +26,9 @@ class TableBackend(abc.ABC):
 
     #: Registry name; also written into wire headers.
     name: ClassVar[str]
+    #: Where this backend's tables live: "host" or "device".  Received
+    #: shards are charged to that tier of the store.
+    tier: ClassVar[str] = "host"
 
     @classmethod
     @abc.abstractmethod
@@ -77,12 +80,29 @@ class TableBackend(abc.ABC):
         """Rows ``start:stop`` of ``table`` as a view, without copying."""
 
     @abc.abstractmethod
-    def concat(self, tables: Sequence[Any], meta: Any, keep_index: bool) -> Any:
-        """Concatenate ``tables`` in the order given into one output frame.
+    def assemble(self, tables: Iterable[Any], nrows: int, meta: Any, keep_index: bool) -> Any:
+        """Build one output frame from ``tables``, in the order given.
 
-        The result has ``meta``'s columns, names and dtypes: columns whose
-        dtype differs from ``meta``'s are cast without losing values.
+        ``tables`` may be a lazy iterator that brings each table up from a
+        lower tier only when asked and releases it when asked for the next:
+        an implementation should copy each table into the output and let go
+        of it, so that an unpack holds the output plus about one table.
+        ``nrows`` is the total row count.  The result has ``meta``'s columns,
+        names and dtypes: columns whose dtype differs from ``meta``'s are cast
+        without losing values.
         """
+
+    def concat(self, tables: Sequence[Any], meta: Any, keep_index: bool) -> Any:
+        """:meth:`assemble` for tables already in memory."""
+        return self.assemble(tables, sum(self.nrows(t) for t in tables), meta, keep_index)
+
+    def to_host(self, table: Any) -> Any:
+        """A copy of a device table in host memory (identity for host backends)."""
+        return table
+
+    def to_device(self, table: Any) -> Any:
+        """Inverse of :meth:`to_host`."""
+        return table
 
     @abc.abstractmethod
     def empty(self, meta: Any) -> Any:

@@ -11,7 +11,7 @@ blocks (that would copy every byte a second time).
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,53 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     return out
 
 
+def _plain_index(index: pd.Index) -> bool:
+    return type(index) in (pd.Index, pd.RangeIndex) and _poolable(np.empty(0, index.dtype))
+
+
+class _ColumnBuilder:
+    """One output column, filled piece by piece.
+
+    Numeric pieces are copied straight into a pooled array of the output's
+    length, so each piece can be released once copied.  Pieces that are not
+    plain numpy data, or would not cast safely, are collected and
+    concatenated at the end.
+    """
+
+    def __init__(self, dtype: Any, nrows: int, pool: HostBufferPool, index: bool = False) -> None:
+        self.dtype = dtype
+        self.pool = pool
+        self.index = index
+        self.filling = isinstance(dtype, np.dtype) and not dtype.hasobject
+        self.out: np.ndarray | None = pool.empty(nrows, dtype) if self.filling else None
+        self.position = 0
+        self.parts: list[Any] = []
+
+    def add(self, values: Any) -> None:
+        n = len(values)
+        if (
+            self.filling
+            and isinstance(values, np.ndarray)
+            and np.can_cast(values.dtype, self.dtype, "safe")
+        ):
+            assert self.out is not None
+            self.out[self.position : self.position + n] = values
+        else:
+            if self.filling and self.out is not None:
+                if self.position:
+                    self.parts.append(self.out[: self.position])
+                self.filling, self.out = False, None
+            self.parts.append(values)
+        self.position += n
+
+    def finish(self) -> Any:
+        if self.out is not None:
+            return self.out
+        if self.index:
+            return _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
+        return _concat_column(self.parts, self.dtype, self.pool)
+
+
 class PandasBackend(TableBackend):
     name = "pandas"
 
@@ -166,17 +213,32 @@ class PandasBackend(TableBackend):
             None if table.index is None else table.index[start:stop],
         )
 
-    def concat(
-        self, tables: Sequence[PandasTable], meta: pd.DataFrame, keep_index: bool
+    def assemble(
+        self, tables: Iterable[PandasTable], nrows: int, meta: pd.DataFrame, keep_index: bool
     ) -> pd.DataFrame:
         pool = host_pool()
-        arrays = [
-            _concat_column([t.columns[i] for t in tables], dtype, pool)
-            for i, dtype in enumerate(meta.dtypes)
-        ]
-        nrows = sum(len(t) for t in tables)
-        if keep_index:
-            index = _concat_index([t.index for t in tables if t.index is not None], pool)
+        columns = [_ColumnBuilder(dtype, nrows, pool) for dtype in meta.dtypes]
+        index_builder = (
+            _ColumnBuilder(meta.index.dtype, nrows, pool, index=True)
+            if keep_index and _plain_index(meta.index)
+            else None
+        )
+        indexes: list[pd.Index] = []
+        for table in tables:
+            for builder, values in zip(columns, table.columns, strict=True):
+                builder.add(values)
+            if keep_index:
+                assert table.index is not None
+                if index_builder is not None:
+                    index_builder.add(table.index.values)
+                else:
+                    indexes.append(table.index)
+            del table  # let the store release this piece before the next
+        arrays = [builder.finish() for builder in columns]
+        if index_builder is not None:
+            index = pd.Index(index_builder.finish(), name=meta.index.name, copy=False)
+        elif keep_index:
+            index = _concat_index(indexes, pool)
             if index.dtype != meta.index.dtype and not isinstance(index, pd.MultiIndex):
                 index = index.astype(meta.index.dtype)
             index.names = meta.index.names

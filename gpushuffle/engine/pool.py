@@ -169,20 +169,17 @@ def host_pool() -> HostBufferPool:
 
 
 def _make_pool() -> HostBufferPool:
-    import psutil
     from dask.utils import parse_timedelta
 
     from gpushuffle import config
 
-    total = None
-    try:
-        from distributed import get_worker
-
-        total = get_worker().memory_manager.memory_limit
-    except (ImportError, ValueError, AttributeError):
-        pass
-    if not total:
-        total = psutil.virtual_memory().total
-    limit = config.parse_budget(config.get("memory.host-pool.limit"), total)
+    total = config.worker_memory_limit()
+    limit = config.parse_budget(
+        config.get("memory.host-pool.limit"), total, "memory.host-pool.limit"
+    )
+    # Free buffers are memory too: never keep more than the store may hold.
+    limit = min(
+        limit, config.parse_budget(config.get("memory.host-limit"), total, "memory.host-limit")
+    )
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(limit=limit, idle_release=idle or 0)

@@ -12,13 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dask.typing import Key
+from dask.utils import parse_timedelta
 from distributed.core import ErrorMessage, OKMessage
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
 from distributed.utils_comm import retry
 
+from gpushuffle import config
 from gpushuffle._distributed import ResourceLimiter, ShuffleRun
 from gpushuffle.backends import backend_for
+from gpushuffle.engine.memory import worker_memory
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.transport import Shard
 
@@ -54,8 +57,8 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
             run_id=run_id,
             span_id=span_id,
             local_address=worker.address,
-            # Unused: received shards stay in ``self.store``, and with
-            # disk=False the base class creates no directory.
+            # The base class's own buffers are unused (disk=False: it creates
+            # no directory); received shards go to ``self.store``.
             directory=os.path.join(worker.local_directory, f"gpushuffle-{spec.id}-{run_id}"),
             executor=plugin._executor,
             rpc=worker.rpc,
@@ -75,7 +78,16 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
             meta_out = meta_out.reset_index(drop=True)
         self.meta_out = meta_out
         self.worker_for = worker_for
-        self.store = ShardStore(self.backend)
+        memory = worker_memory()
+        memory.runs_started += 1
+        self.store = ShardStore(
+            backend=self.backend,
+            memory=memory,
+            directory=os.path.join(worker.local_directory, f"gpushuffle-{spec.id}-{run_id}"),
+            offload=self.offload,
+            wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
+            describe=f"gpushuffle {spec.id} on {worker.address}",
+        )
         self._layout(worker_for, spec.npartitions)
 
     def _layout(self, worker_for: dict[int, str], npartitions: int) -> None:
@@ -125,7 +137,7 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
     ) -> None:
         if local is not None:
             # Shards for this worker skip serialization and the comm buffer.
-            self._store([local])
+            await self._store([local])
         if remote:
             await self._write_to_comm(remote)
 
@@ -165,24 +177,28 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
 
     async def _receive(self, data: list[tuple[int, Shard]]) -> None:
         self.raise_if_closed()
-        self._store(data)
+        await self._store(data)
 
-    def _store(self, data: list[tuple[int, Shard]]) -> None:
+    async def _store(self, data: list[tuple[int, Shard]]) -> None:
         for input_partition, shard in data:
             # An input partition re-sent (a retried transfer task) is ignored.
             if input_partition in self.received:
                 continue
             self.received.add(input_partition)
             self.total_recvd += shard.nbytes
-            self.store.put(shard)
+            try:
+                await self.store.put(shard)
+            except Exception as e:
+                self._exception = e
+                raise
 
     # -- unpack -----------------------------------------------------------
 
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
-        tables = self.store.pop(partition_id)
-        if not tables:
+        nrows, tables = self.store.read(partition_id)
+        if not nrows:
             return self.backend.empty(self.meta_out)
-        return self.backend.concat(tables, self.meta_out, self.keep_index)
+        return self.backend.assemble(tables, nrows, self.meta_out, self.keep_index)
 
     def _get_assigned_worker(self, i: int) -> str:
         return self.worker_for[i]
@@ -198,7 +214,7 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
         try:
             await super().close()
         finally:
-            self.store.clear()
+            self.store.close()
 
     def read(self, path: Any) -> tuple[Any, int]:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")

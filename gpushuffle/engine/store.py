@@ -1,77 +1,378 @@
-"""Received shards of one run on one worker, held in memory by output partition.
+"""Received shards of one run on one worker, within the worker's memory budget.
 
-This is the unbounded in-memory store: every shard stays where it arrived
-(host memory for pandas, device memory for cuDF) until its output partition
-is unpacked.  A budgeted, tiered store replaces it behind the same
-``put``/``pop`` interface.
+Tiers: device memory (cuDF shards), host memory (pandas shards, and device
+shards moved off the GPU), disk (files under the worker's local directory).
+
+What is stored are *pieces*: the rows of one output partition that came from
+one input partition.  A received shard is not copied into pieces; its pieces
+are views of its buffers (a shard's columns arrive as one buffer each, and on
+TCP all of a message's frames share one receive buffer).  Memory is therefore
+accounted, and released, by *group*: the buffers of one received shard, freed
+when the last of its pieces is consumed or moved.  When a tier is over its
+limit the store moves whole groups down, oldest first, each piece to the
+next tier on its own (device -> host copies a piece into its own host
+buffers; host -> disk appends it to its output partition's file), skipping
+pieces an unpack task is reading.  Reading brings pieces back up one at a
+time, in input-partition order, so an unpack holds at most its output plus
+one piece.
+
+A tier that cannot get under its limit (disk disabled, or every piece being
+read) makes the receiver wait for other shuffles on the worker to release
+memory, up to ``gpushuffle.memory.wait-timeout``; a run that alone exceeds
+the budget fails at once with :class:`~gpushuffle.errors.ShuffleMemoryError`.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+import asyncio
+import errno
+import os
+import shutil
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
+from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
+from gpushuffle.engine.pool import host_pool
+from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
+
+
+@dataclass(frozen=True)
+class _DiskLocation:
+    path: str
+    offset: int
+    lengths: tuple[int, ...]
+    header: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Group:
+    """Buffers shared by pieces: one received shard, or one piece moved down."""
+
+    tier: str
+    nbytes: int
+    pieces: list[_Piece] = field(default_factory=list)
+    live: int = 0
+    key: int = -1
+
+
+@dataclass(eq=False)
+class _Piece:
+    partition: int
+    input_partition: int
+    nrows: int
+    nbytes: int
+    table: Any = None
+    group: _Group | None = None
+    disk: _DiskLocation | None = None
+    reading: bool = False
 
 
 @dataclass
 class StoreStatistics:
-    """Bytes held by a store, now and at peak, and what went through it."""
+    """What one run's store received and read, and its bytes per tier."""
 
-    bytes_now: int = 0
-    bytes_peak: int = 0
     bytes_in: int = 0
     shards_in: int = 0
     partitions_read: int = 0
+    device_bytes: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    device_peak_bytes: int = 0
+    host_peak_bytes: int = 0
+    disk_peak_bytes: int = 0
+
+    def add(self, tier: str, nbytes: int) -> None:
+        now = getattr(self, f"{tier}_bytes") + nbytes
+        setattr(self, f"{tier}_bytes", now)
+        if now > getattr(self, f"{tier}_peak_bytes"):
+            setattr(self, f"{tier}_peak_bytes", now)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
 
 
 class ShardStore:
-    """Shards by output partition; each piece tagged with its input partition.
+    """Pieces by output partition, tagged with their input partition.
 
-    Pieces are views into the shard they were cut from, so storing a shard
-    copies nothing; its buffers are released once every output partition it
-    feeds has been read.
+    Parameters
+    ----------
+    backend
+        Splits, moves and serializes the tables.
+    memory
+        The worker's budgets, shared with other runs.
+    directory
+        Where spilled pieces go; created on first use, removed on close.
+    offload
+        Runs blocking work (file writes) off the event loop.
+    wait_timeout
+        Seconds a receiver waits for other runs to free memory.
+    describe
+        Names the run in error messages.
     """
 
-    def __init__(self, backend: TableBackend) -> None:
+    def __init__(
+        self,
+        backend: TableBackend,
+        memory: WorkerMemory,
+        directory: str,
+        offload: Callable[..., Awaitable[Any]],
+        wait_timeout: float,
+        describe: str = "gpushuffle",
+    ) -> None:
         self._backend = backend
-        self._pieces: defaultdict[int, list[tuple[int, Any, int]]] = defaultdict(list)
+        self._memory = memory
+        self._directory = directory
+        self._offload = offload
+        self._wait_timeout = wait_timeout
+        self._describe = describe
+        self._pieces: dict[int, list[_Piece]] = {}
+        self._groups: dict[int, _Group] = {}  # insertion order is age
+        self._next_group = 0
+        self._lock = threading.Lock()  # accounting, shared with unpack threads
+        self._evicting = asyncio.Lock()
+        self._closed = False
         self.statistics = StoreStatistics()
 
-    def put(self, shard: Shard) -> None:
+    # -- receiving (event loop) --------------------------------------------
+
+    async def put(self, shard: Shard) -> None:
+        """Store a received or local shard, then get back within budget."""
         total_rows = int(shard.offsets[-1] - shard.offsets[0])
         if not total_rows:
             return
+        tier = self._backend.tier
+        group = _Group(tier=tier, nbytes=shard.nbytes)
         bounds = shard.offsets.tolist()
         for partition, start, stop in zip(
             shard.partitions.tolist(), bounds, bounds[1:], strict=False
         ):
-            if stop > start:
-                piece = self._backend.slice(shard.table, start, stop)
-                nbytes = shard.nbytes * (stop - start) // total_rows
-                self._pieces[partition].append((shard.input_partition, piece, nbytes))
-        stats = self.statistics
-        stats.bytes_now += shard.nbytes
-        stats.bytes_in += shard.nbytes
-        stats.shards_in += 1
-        stats.bytes_peak = max(stats.bytes_peak, stats.bytes_now)
+            if stop <= start:
+                continue
+            piece = _Piece(
+                partition=partition,
+                input_partition=shard.input_partition,
+                nrows=stop - start,
+                nbytes=shard.nbytes * (stop - start) // total_rows,
+                table=self._backend.slice(shard.table, start, stop),
+                group=group,
+            )
+            group.pieces.append(piece)
+            self._pieces.setdefault(partition, []).append(piece)
+        group.live = len(group.pieces)
+        # One shard at a time: a receiver waits here while an earlier one
+        # makes room, so the store holds at most its budget plus one shard
+        # (and senders wait for the reply: back-pressure).
+        async with self._evicting:
+            with self._lock:
+                self._add_group(group)
+                self._charge(tier, group.nbytes)
+                self.statistics.bytes_in += shard.nbytes
+                self.statistics.shards_in += 1
+            await self._make_room()
 
-    def pop(self, partition: int) -> list[Any]:
-        """The pieces of ``partition`` in input-partition order; forgets them."""
-        pieces = self._pieces.pop(partition, [])
-        pieces.sort(key=lambda piece: piece[0])
-        self.statistics.bytes_now -= sum(nbytes for _, _, nbytes in pieces)
-        self.statistics.partitions_read += 1
-        return [table for _, table, _ in pieces]
+    async def _make_room(self) -> None:
+        for tier in (DEVICE, HOST):
+            while self._memory.tier(tier).over > 0:
+                group = self._oldest_movable(tier)
+                if group is None:
+                    break
+                await self._move_down(group)
+        await self._wait_until_within(HOST)
 
-    def clear(self) -> None:
-        self._pieces.clear()
-        self.statistics.bytes_now = 0
+    def _oldest_movable(self, tier: str) -> _Group | None:
+        if tier == HOST and not self._memory.disk_enabled:
+            return None
+        for group in self._groups.values():
+            if group.tier == tier and any(p.group is group and not p.reading for p in group.pieces):
+                return group
+        return None
+
+    async def _move_down(self, group: _Group) -> None:
+        for piece in list(group.pieces):
+            if piece.group is not group or piece.reading:
+                continue
+            if group.tier == DEVICE:
+                start = time.perf_counter()
+                host_table = self._backend.to_host(piece.table)
+                moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
+                with self._lock:
+                    piece.table, piece.group = host_table, moved
+                    self._add_group(moved)
+                    self._charge(HOST, piece.nbytes)
+                    self._memory.moved(DEVICE, HOST, piece.nbytes, time.perf_counter() - start)
+            else:
+                start = time.perf_counter()
+                header, frames = self._backend.serialize(piece.table)
+                location = await self._offload(self._append, piece.partition, header, frames)
+                with self._lock:
+                    piece.table, piece.group, piece.disk = None, None, location
+                    self._charge(DISK, piece.nbytes)
+                    self._memory.moved(HOST, DISK, piece.nbytes, time.perf_counter() - start)
+            self._unref(group)
+
+    async def _wait_until_within(self, tier: str) -> None:
+        usage = self._memory.tier(tier)
+        if not usage.over:
+            return
+        deadline = time.monotonic() + self._wait_timeout
+        while usage.over:
+            mine = getattr(self.statistics, f"{tier}_bytes")
+            others = usage.bytes - mine
+            if others <= 0 or time.monotonic() > deadline or self._closed:
+                raise ShuffleMemoryError(
+                    f"{self._describe}: received shards need more host memory than "
+                    f"gpushuffle.memory.host-limit allows ({_gib(usage.limit)} per worker, "
+                    f"{_gib(mine)} held by this shuffle, {_gib(max(others, 0))} by others) "
+                    f"and gpushuffle.storage.disk is "
+                    f"{'true but nothing can move' if self._memory.disk_enabled else 'false'}. "
+                    "Raise gpushuffle.memory.host-limit, set gpushuffle.storage.disk: true, "
+                    "or add workers."
+                )
+            # Another shuffle on this worker holds memory it will release when
+            # its outputs are read: hold the sender until then.
+            await asyncio.sleep(0.05)
+
+    def _append(self, partition: int, header: dict[str, Any], frames: list[Any]) -> _DiskLocation:
+        path = os.path.join(self._directory, f"{partition}.bin")
+        lengths = tuple(memoryview(f).nbytes for f in frames)
+        try:
+            # Creating the file under the lock that close() takes before it
+            # removes the directory: a write racing a close can never recreate
+            # the directory after it was removed.
+            with self._lock:
+                if self._closed:
+                    raise ShuffleClosedError(f"{self._describe} was closed")
+                os.makedirs(self._directory, exist_ok=True)
+                f = open(path, "ab")  # noqa: SIM115  (closed by the with below)
+            with f:
+                offset = f.tell()
+                for frame in frames:
+                    f.write(frame)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise ShuffleDiskFullError(self._directory) from e
+            raise
+        return _DiskLocation(path, offset, lengths, header)
+
+    # -- reading (task thread, after the barrier) ---------------------------
+
+    def read(self, partition: int) -> tuple[int, Iterator[Any]]:
+        """Rows and pieces of ``partition``, in input-partition order.
+
+        Pieces are brought up one at a time and released as soon as the
+        consumer asks for the next one.
+        """
+        with self._lock:
+            pieces = self._pieces.pop(partition, [])
+            for piece in pieces:
+                piece.reading = True
+            self.statistics.partitions_read += 1
+        pieces.sort(key=lambda piece: piece.input_partition)
+        return sum(p.nrows for p in pieces), self._bring_up(partition, pieces)
+
+    def _bring_up(self, partition: int, pieces: list[_Piece]) -> Iterator[Any]:
+        try:
+            for piece in pieces:
+                on_device = piece.group is not None and piece.group.tier == DEVICE
+                table = self._load(piece) if piece.disk is not None else piece.table
+                piece.table = None
+                if self._backend.tier == DEVICE and not on_device:
+                    start = time.perf_counter()
+                    table = self._backend.to_device(table)
+                    self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
+                yield table
+                del table
+                self._consumed(piece)
+        finally:
+            for piece in pieces:
+                if piece.reading:
+                    self._consumed(piece)
+            path = os.path.join(self._directory, f"{partition}.bin")
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def _load(self, piece: _Piece) -> Any:
+        assert piece.disk is not None
+        start = time.perf_counter()
+        location = piece.disk
+        with open(location.path, "rb") as f:
+            f.seek(location.offset)
+            buffer = host_pool().empty(sum(location.lengths), np.uint8).data
+            f.readinto(buffer)
+        frames, offset = [], 0
+        for length in location.lengths:
+            frames.append(buffer[offset : offset + length])
+            offset += length
+        table = self._backend.deserialize(location.header, frames)
+        self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
+        return table
+
+    def _consumed(self, piece: _Piece) -> None:
+        with self._lock:
+            if not piece.reading:
+                return
+            piece.reading = False
+            piece.table = None
+            if piece.disk is not None:
+                self._charge(DISK, -piece.nbytes)
+                piece.disk = None
+            if piece.group is not None:
+                group, piece.group = piece.group, None
+                self._unref_locked(group)
+
+    # -- accounting ---------------------------------------------------------
+
+    def _charge(self, tier: str, nbytes: int) -> None:
+        if nbytes >= 0:
+            self._memory.charge(tier, nbytes)
+        else:
+            self._memory.release(tier, -nbytes)
+        self.statistics.add(tier, nbytes)
+
+    def _add_group(self, group: _Group) -> None:
+        group.key = self._next_group
+        self._next_group += 1
+        self._groups[group.key] = group
+
+    def _unref(self, group: _Group) -> None:
+        with self._lock:
+            self._unref_locked(group)
+
+    def _unref_locked(self, group: _Group) -> None:
+        group.live -= 1
+        if group.live == 0:
+            self._charge(group.tier, -group.nbytes)
+            self._groups.pop(group.key, None)
+            group.pieces.clear()
+
+    def close(self) -> None:
+        """Release every piece and its accounting; delete spill files."""
+        with self._lock:
+            self._closed = True
+            for group in self._groups.values():
+                if group.live > 0:
+                    self._charge(group.tier, -group.nbytes)
+                group.pieces.clear()
+            self._groups.clear()
+            disk = self.statistics.disk_bytes
+            if disk:
+                self._charge(DISK, -disk)
+            self._pieces.clear()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     def __len__(self) -> int:
         return len(self._pieces)
+
+
+def _gib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "unlimited"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"

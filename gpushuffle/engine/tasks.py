@@ -21,7 +21,7 @@ from gpushuffle._distributed import (
     ShuffleId,
     get_worker_plugin,
 )
-from gpushuffle.errors import ShuffleInputError
+from gpushuffle.errors import ShuffleDiskFullError, ShuffleInputError, ShuffleMemoryError
 
 
 @contextlib.contextmanager
@@ -33,7 +33,13 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
     except ShuffleClosedError:
         # The run was replaced (a worker left): distributed restarts it.
         raise Reschedule() from None
-    except (P2PConsistencyError, P2POutOfDiskError, ShuffleInputError):
+    except (
+        P2PConsistencyError,
+        P2POutOfDiskError,
+        ShuffleInputError,
+        ShuffleMemoryError,
+        ShuffleDiskFullError,
+    ):
         raise
     except Exception as e:
         raise RuntimeError(f"gpushuffle {id} failed during {what}: {type(e).__name__}: {e}") from e

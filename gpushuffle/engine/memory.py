@@ -1,0 +1,144 @@
+"""Memory budgets for received shards: device and host tiers, per worker.
+
+One :class:`WorkerMemory` per worker process is shared by every run on that
+worker, so two concurrent shuffles together stay within the budget.  Each
+run's :class:`~gpushuffle.engine.store.ShardStore` charges its bytes here and
+moves data down a tier (device -> host -> disk) when a tier is over its
+limit.  Statistics are kept per worker, cumulatively, for
+:func:`gpushuffle.statistics`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICE = "device"
+HOST = "host"
+DISK = "disk"
+TIERS = (DEVICE, HOST, DISK)
+
+
+@dataclass
+class TierUsage:
+    """Bytes one tier holds now and at peak, against its limit (None: unbounded)."""
+
+    limit: int | None
+    bytes: int = 0
+    peak: int = 0
+
+    @property
+    def over(self) -> int:
+        """Bytes above the limit (0 when within it)."""
+        return 0 if self.limit is None else max(0, self.bytes - self.limit)
+
+
+@dataclass
+class Movement:
+    """Bytes moved between two tiers, and the seconds it took."""
+
+    bytes: int = 0
+    count: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class WorkerMemory:
+    """The budgets of one worker, and what moved between its tiers."""
+
+    device: TierUsage
+    host: TierUsage
+    disk: TierUsage
+    disk_enabled: bool
+    moves: dict[tuple[str, str], Movement] = field(default_factory=dict)
+    runs_started: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def tier(self, name: str) -> TierUsage:
+        return {DEVICE: self.device, HOST: self.host, DISK: self.disk}[name]
+
+    def charge(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            usage = self.tier(name)
+            usage.bytes += nbytes
+            usage.peak = max(usage.peak, usage.bytes)
+
+    def release(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.tier(name).bytes -= nbytes
+
+    def moved(self, source: str, target: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            movement = self.moves.setdefault((source, target), Movement())
+            movement.bytes += nbytes
+            movement.count += 1
+            movement.seconds += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """A flat dict: one row of :func:`gpushuffle.statistics`."""
+        with self._lock:
+            row: dict[str, Any] = {}
+            for name in TIERS:
+                usage = self.tier(name)
+                row[f"{name}_limit"] = usage.limit
+                row[f"{name}_bytes"] = usage.bytes
+                row[f"{name}_peak_bytes"] = usage.peak
+            for source, target in ((DEVICE, HOST), (HOST, DISK), (DISK, HOST), (HOST, DEVICE)):
+                movement = self.moves.get((source, target), Movement())
+                row[f"{source}_to_{target}_bytes"] = movement.bytes
+                row[f"{source}_to_{target}_seconds"] = movement.seconds
+            row["spilled_bytes"] = row["device_to_host_bytes"] + row["host_to_disk_bytes"]
+            row["runs"] = self.runs_started
+            return row
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            for name in TIERS:
+                usage = self.tier(name)
+                usage.peak = usage.bytes
+
+
+_MEMORY: WorkerMemory | None = None
+_MEMORY_LOCK = threading.Lock()
+
+
+def worker_memory() -> WorkerMemory:
+    """This process's budgets, read from ``gpushuffle.memory`` and ``gpushuffle.storage``."""
+    global _MEMORY
+    with _MEMORY_LOCK:
+        if _MEMORY is None:
+            _MEMORY = _from_config()
+        return _MEMORY
+
+
+def reset_worker_memory() -> None:
+    """Forget budgets and statistics; the next use rereads the configuration."""
+    global _MEMORY
+    with _MEMORY_LOCK:
+        _MEMORY = None
+
+
+def _from_config() -> WorkerMemory:
+    from gpushuffle import config
+
+    host_total = config.worker_memory_limit()
+    device_total = config.device_memory_total()
+    device_limit = config.get("memory.device-limit")
+    if device_total is None and isinstance(device_limit, float):
+        # No usable device: nothing can be charged to the device tier.
+        device_limit = None
+    return WorkerMemory(
+        device=TierUsage(
+            limit=None
+            if device_limit is None
+            else config.parse_budget(device_limit, device_total, "memory.device-limit")
+        ),
+        host=TierUsage(
+            limit=config.parse_budget(
+                config.get("memory.host-limit"), host_total, "memory.host-limit"
+            )
+        ),
+        disk=TierUsage(limit=None),
+        disk_enabled=bool(config.get("storage.disk")),
+    )

@@ -1,0 +1,211 @@
+"""Shuffles larger than the store's budget, on real clusters."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import assert_nothing_left_behind
+from distributed import Client, LocalCluster, wait
+from test_shuffle import check
+
+import gpushuffle
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@contextlib.contextmanager
+def cluster_with(settings: dict, n_workers: int = 2):
+    with (
+        dask.config.set(settings),
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            dashboard_address=":0",
+            worker_dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
+
+
+def big_frame(n: int = 400_000) -> pd.DataFrame:
+    rng = np.random.default_rng(5)
+    return pd.DataFrame(
+        {
+            "key": rng.integers(0, 10_000, n),
+            "row": np.arange(n),
+            "x": rng.random(n),
+            "y": rng.integers(0, 2**40, n),
+        }
+    )
+
+
+def _rss(dask_worker=None) -> int:
+    import ctypes
+    import gc
+
+    import psutil
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def _spill_files(dask_worker) -> list[str]:
+    return [
+        os.path.join(root, f)
+        for root, _, files in os.walk(dask_worker.local_directory)
+        for f in files
+        if "gpushuffle" in root
+    ]
+
+
+def test_budget_smaller_than_data_spills_and_stays_correct():
+    pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
+    with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
+        df = dd.from_pandas(pdf, npartitions=8, sort=False)
+        parts = check(
+            df.shuffle("key", npartitions=6, shuffle_method="gpushuffle"),
+            df.shuffle("key", npartitions=6, shuffle_method="tasks"),
+            pdf,
+        )
+        for part in parts:
+            assert part["row"].is_monotonic_increasing
+        stats = gpushuffle.statistics(client)
+        assert (stats["host_to_disk_bytes"] > 0).all()
+        assert (stats["disk_to_host_bytes"] == stats["host_to_disk_bytes"]).all()
+        assert (stats["spilled_bytes"] > 0).all()
+        # At most the budget plus the one shard that tipped it over.
+        largest_shard = pdf.memory_usage(index=True).sum() / 8
+        assert (stats["host_peak_bytes"] <= (1 << 20) + largest_shard).all(), stats
+        assert (stats["host_bytes"] == 0).all() and (stats["disk_bytes"] == 0).all()
+        assert_nothing_left_behind(client)
+        assert not any(client.run(_spill_files).values())
+
+
+def _set_budget(host_limit, dask_worker=None) -> None:
+    from gpushuffle.engine.memory import reset_worker_memory
+
+    dask.config.set({"gpushuffle.memory.host-limit": host_limit})
+    reset_worker_memory()
+
+
+def test_peak_rss_is_bounded_by_the_budget():
+    """The same shuffle on the same workers grows RSS far less with a small budget.
+
+    A store that ignored its budget would grow as much as an unbounded one.
+    """
+    n = 3_000_000  # 72 MB of data, 36 MB received per worker
+    rng = np.random.default_rng(1)
+    pdf = pd.DataFrame({"key": rng.integers(0, 10**6, n), "a": rng.random(n), "b": rng.random(n)})
+    from gpushuffle.bench import _start_sampler, _stop_sampler
+
+    with cluster_with({"gpushuffle.memory.host-pool.limit": 0}) as client:
+        df = dd.from_pandas(pdf, npartitions=16, sort=False).persist()
+        wait(df)
+
+        def growth(budget) -> int:
+            client.run(_set_budget, budget)
+            results = []
+            for _ in range(2):  # the smaller of two runs: the machine is noisy
+                before = max(client.run(_rss).values())
+                client.run(_start_sampler, 0.005)
+                lengths = df.shuffle("key", shuffle_method="gpushuffle").map_partitions(len)
+                assert lengths.compute().sum() == n
+                results.append(max(client.run(_stop_sampler).values()) - before)
+            return min(results)
+
+        unbounded = growth("1 GiB")
+        bounded = growth("8 MiB")
+        assert gpushuffle.statistics(client)["spilled_bytes"].sum() > 0
+        # Measured here: about 100 MB unbounded, 55 MB with 8 MiB.
+        assert bounded < 0.75 * unbounded, (bounded, unbounded)
+
+
+def test_disk_off_and_budget_too_small_fails_clearly():
+    pdf = big_frame(200_000)
+    with cluster_with(
+        {"gpushuffle.memory.host-limit": "256 KiB", "gpushuffle.storage.disk": False}
+    ) as client:
+        df = dd.from_pandas(pdf, npartitions=6, sort=False)
+        start = time.monotonic()
+        with pytest.raises(gpushuffle.ShuffleMemoryError, match=r"gpushuffle\.memory\.host-limit"):
+            df.shuffle("key", shuffle_method="gpushuffle").compute()
+        assert time.monotonic() - start < 60
+        assert_nothing_left_behind(client)
+
+
+def _fill_the_disk(dask_worker) -> None:
+    import errno
+
+    import gpushuffle.engine.store as store
+
+    def full(path, mode="r", *args, **kwargs):
+        if "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+
+    store.open = full  # type: ignore[attr-defined]
+
+
+def _free_the_disk(dask_worker) -> None:
+    import gpushuffle.engine.store as store
+
+    store.__dict__.pop("open", None)
+
+
+def test_disk_full_is_a_clear_error_and_leaves_nothing():
+    pdf = big_frame(200_000)
+    with cluster_with({"gpushuffle.memory.host-limit": "256 KiB"}) as client:
+        client.run(_fill_the_disk)
+        df = dd.from_pandas(pdf, npartitions=6, sort=False)
+        with pytest.raises(OSError, match=r"No space left .*gpushuffle"):
+            df.shuffle("key", shuffle_method="gpushuffle").compute()
+        assert_nothing_left_behind(client)
+        assert not any(client.run(_spill_files).values())
+        client.run(_free_the_disk)
+
+
+def test_cancelled_shuffle_leaves_no_spill_files():
+    pdf = big_frame(600_000)
+    with cluster_with({"gpushuffle.memory.host-limit": "512 KiB"}) as client:
+        df = dd.from_pandas(pdf, npartitions=12, sort=False)
+        future = client.compute(df.shuffle("key", shuffle_method="gpushuffle"))
+        deadline = time.monotonic() + 30
+        while not any(client.run(_spill_files).values()) and not future.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        future.cancel()
+        assert_nothing_left_behind(client)
+        deadline = time.monotonic() + 10
+        while any(client.run(_spill_files).values()):
+            assert time.monotonic() < deadline, client.run(_spill_files)
+            time.sleep(0.1)
+
+
+def test_footprint_returns_after_the_shuffle():
+    """Distributed issue 8015: memory must come back once outputs are released."""
+    n = 2_000_000
+    rng = np.random.default_rng(2)
+    pdf = pd.DataFrame({"key": rng.integers(0, 10**6, n), "a": rng.random(n), "b": rng.random(n)})
+    with cluster_with({"gpushuffle.memory.host-pool.idle-release": "500ms"}) as client:
+        df = dd.from_pandas(pdf, npartitions=10, sort=False).persist()
+        wait(df)
+        before = client.run(_rss)
+        for _ in range(3):
+            out = df.shuffle("key", shuffle_method="gpushuffle").persist()
+            wait(out)
+            assert len(out) == n
+            del out
+        assert_nothing_left_behind(client)
+        time.sleep(1.5)  # pooled buffers idle past idle-release go back to the OS
+        after = client.run(_rss)
+        for worker, rss in after.items():
+            assert rss <= before[worker] * 1.10, (worker, before[worker], rss)

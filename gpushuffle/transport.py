@@ -30,7 +30,9 @@ class Shard:
     """Rows of one input partition bound for one worker.
 
     Rows of output partition ``partitions[k]`` are
-    ``table[offsets[k]:offsets[k + 1]]``, in their input order.
+    ``table[offsets[k]:offsets[k + 1]]``, in their input order.  Large
+    shards travel as several chunks (consecutive row ranges, ``chunk`` 0, 1,
+    ...) so that no message holds more than the comm's message limit.
     """
 
     backend: str
@@ -39,6 +41,7 @@ class Shard:
     offsets: np.ndarray
     table: Any
     nbytes: int
+    chunk: int = 0
 
 
 def _serialize(shard: Shard) -> tuple[dict[str, Any], list[Any]]:
@@ -49,6 +52,7 @@ def _serialize(shard: Shard) -> tuple[dict[str, Any], list[Any]]:
         "partitions": shard.partitions.tolist(),
         "offsets": shard.offsets.tolist(),
         "nbytes": shard.nbytes,
+        "chunk": shard.chunk,
         "table": header,
     }, frames
 
@@ -62,6 +66,7 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
         offsets=np.asarray(header["offsets"], dtype=np.int64),
         table=backend.deserialize(header["table"], frames),
         nbytes=header["nbytes"],
+        chunk=header["chunk"],
     )
 
 

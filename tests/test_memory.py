@@ -209,3 +209,21 @@ def test_footprint_returns_after_the_shuffle():
         after = client.run(_rss)
         for worker, rss in after.items():
             assert rss <= before[worker] * 1.10, (worker, before[worker], rss)
+
+
+def test_shards_cut_into_small_messages_keep_every_row_in_order():
+    pdf = big_frame(300_000)
+    settings = {
+        "gpushuffle.comm.message-bytes-limit": "32 KiB",
+        "gpushuffle.memory.host-limit": "1 MiB",
+    }
+    with cluster_with(settings, n_workers=3) as client:
+        df = dd.from_pandas(pdf, npartitions=5, sort=False)
+        parts = check(
+            df.shuffle("key", npartitions=7, shuffle_method="gpushuffle"),
+            df.shuffle("key", npartitions=7, shuffle_method="tasks"),
+            pdf,
+        )
+        for part in parts:
+            assert part["row"].is_monotonic_increasing
+        assert_nothing_left_behind(client)

@@ -6,13 +6,14 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 
 from __future__ import annotations
 
+import itertools
 import os
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dask.typing import Key
-from dask.utils import parse_timedelta
+from dask.utils import parse_bytes, parse_timedelta
 from distributed.core import ErrorMessage, OKMessage
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from gpushuffle.engine.spec import GPUShuffleSpec
 
 
-class GPUShuffleRun(ShuffleRun[int, Any]):
+# The base class's first parameter types both output partitions (ints here)
+# and the keys of shards on the wire ((input partition, chunk) here).
+class GPUShuffleRun(ShuffleRun[Any, Any]):
     """Worker-side state of one run of a :class:`GPUShuffleSpec`.
 
     Transfer: each input partition is reordered once by the backend so that
@@ -80,6 +83,7 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
         self.worker_for = worker_for
         memory = worker_memory()
         memory.runs_started += 1
+        self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
         self.store = ShardStore(
             backend=self.backend,
             memory=memory,
@@ -129,39 +133,68 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
             ):
                 shards = self._shard_partition(data, partition_id)
             local = shards.pop(self.local_address, None)
-            sync(self._loop, self._write, local, shards)
+            sync(self._loop, self._write, local, self._chunk(shards))
         return self.run_id
 
     async def _write(
-        self, local: tuple[int, Shard] | None, remote: dict[str, tuple[int, Shard]]
+        self, local: Shard | None, remote: list[dict[str, tuple[tuple[int, int], Shard]]]
     ) -> None:
         if local is not None:
             # Shards for this worker skip serialization and the comm buffer.
-            await self._store([local])
-        if remote:
-            await self._write_to_comm(remote)
+            await self._store([((local.input_partition, 0), local)])
+        for round in remote:
+            await self._write_to_comm(round)
 
-    def _shard_partition(self, data: Any, partition_id: int) -> dict[str, tuple[int, Shard]]:
+    def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, tuple[tuple[int, int], Shard]]]:
+        """Cut remote shards into row ranges of at most ``message_bytes``.
+
+        Each round of the result holds at most one chunk per worker, the
+        shape distributed's comm buffer takes.  A receiver holds every
+        message that waits for room in its store, so smaller messages keep
+        that backlog small.
+        """
+        rounds: list[dict[str, tuple[tuple[int, int], Shard]]] = []
+        for address, shard in shards.items():
+            nrows = int(shard.offsets[-1])
+            count = max(1, min(nrows, -(-shard.nbytes // self.message_bytes)))
+            bounds = np.linspace(0, nrows, count + 1).astype(np.int64)
+            for chunk, (start, stop) in enumerate(itertools.pairwise(bounds)):
+                if count == 1:
+                    piece = shard
+                else:
+                    table = self.backend.slice(shard.table, int(start), int(stop))
+                    piece = Shard(
+                        backend=shard.backend,
+                        input_partition=shard.input_partition,
+                        partitions=shard.partitions,
+                        offsets=np.clip(shard.offsets, start, stop) - start,
+                        table=table,
+                        nbytes=self.backend.nbytes(table),
+                        chunk=chunk,
+                    )
+                if chunk == len(rounds):
+                    rounds.append({})
+                rounds[chunk][address] = ((shard.input_partition, chunk), piece)
+        return rounds
+
+    def _shard_partition(self, data: Any, partition_id: int) -> dict[str, Shard]:  # type: ignore[override]
         backend = self.backend
         table, offsets = backend.split(data, self.column, self.rank, self.nranks, self.keep_index)
-        out: dict[str, tuple[int, Shard]] = {}
+        out: dict[str, Shard] = {}
         for address, (first, last) in self.rank_range.items():
             start, stop = int(offsets[first]), int(offsets[last])
             if stop == start:
                 continue
             view = backend.slice(table, start, stop)
-            out[address] = (
-                partition_id,
-                Shard(
-                    backend=backend.name,
-                    input_partition=partition_id,
-                    partitions=self.partitions_of[address],
-                    offsets=offsets[first : last + 1] - start,
-                    table=view,
-                    nbytes=backend.nbytes(view),
-                ),
+            out[address] = Shard(
+                backend=backend.name,
+                input_partition=partition_id,
+                partitions=self.partitions_of[address],
+                offsets=offsets[first : last + 1] - start,
+                table=view,
+                nbytes=backend.nbytes(view),
             )
-        context_meter.digest_metric("p2p-shards", sum(s.nbytes for _, s in out.values()), "bytes")
+        context_meter.digest_metric("p2p-shards", sum(s.nbytes for s in out.values()), "bytes")
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
 
@@ -175,16 +208,17 @@ class GPUShuffleRun(ShuffleRun[int, Any]):
             delay_max=self.RETRY_DELAY_MAX,
         )
 
-    async def _receive(self, data: list[tuple[int, Shard]]) -> None:
+    async def _receive(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
         self.raise_if_closed()
         await self._store(data)
 
-    async def _store(self, data: list[tuple[int, Shard]]) -> None:
-        for input_partition, shard in data:
-            # An input partition re-sent (a retried transfer task) is ignored.
-            if input_partition in self.received:
+    async def _store(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
+        for key, shard in data:
+            # An input partition re-sent (a retried transfer task) is ignored;
+            # keys are (input partition, chunk).
+            if key in self.received:
                 continue
-            self.received.add(input_partition)
+            self.received.add(key)
             self.total_recvd += shard.nbytes
             try:
                 await self.store.put(shard)

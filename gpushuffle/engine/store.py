@@ -67,6 +67,7 @@ class _Group:
 class _Piece:
     partition: int
     input_partition: int
+    chunk: int
     nrows: int
     nbytes: int
     table: Any = None
@@ -159,6 +160,7 @@ class ShardStore:
             piece = _Piece(
                 partition=partition,
                 input_partition=shard.input_partition,
+                chunk=shard.chunk,
                 nrows=stop - start,
                 nbytes=shard.nbytes * (stop - start) // total_rows,
                 table=self._backend.slice(shard.table, start, stop),
@@ -275,7 +277,7 @@ class ShardStore:
             for piece in pieces:
                 piece.reading = True
             self.statistics.partitions_read += 1
-        pieces.sort(key=lambda piece: piece.input_partition)
+        pieces.sort(key=lambda piece: (piece.input_partition, piece.chunk))
         return sum(p.nrows for p in pieces), self._bring_up(partition, pieces)
 
     def _bring_up(self, partition: int, pieces: list[_Piece]) -> Iterator[Any]:

@@ -12,7 +12,12 @@ from importlib.metadata import PackageNotFoundError, version
 from gpushuffle import config as _config  # noqa: F401  (loads defaults)
 from gpushuffle import transport as _transport  # noqa: F401  (registers serializers)
 from gpushuffle.api import METHOD, install, shuffle, statistics
-from gpushuffle.errors import ShuffleDiskFullError, ShuffleInputError, ShuffleMemoryError
+from gpushuffle.errors import (
+    ShuffleCommError,
+    ShuffleDiskFullError,
+    ShuffleInputError,
+    ShuffleMemoryError,
+)
 
 try:
     __version__ = version("gpushuffle")
@@ -23,6 +28,7 @@ install()
 
 __all__ = [
     "METHOD",
+    "ShuffleCommError",
     "ShuffleDiskFullError",
     "ShuffleInputError",
     "ShuffleMemoryError",

@@ -54,6 +54,8 @@ class GPUShuffle(SimpleShuffle):
     def _layer(self) -> dict:
         frame_meta = self.frame._meta
         backend_for(frame_meta)  # unsupported frame types fail here, not on workers
+        if self.npartitions_out < 1:
+            raise ValueError(f"npartitions must be at least 1, got {self.npartitions_out}")
         token = self._name.split("-")[-1]
         shuffle_id = ShuffleId(token)
         parts_out = self._partitions if self._filtered else list(range(self.npartitions_out))

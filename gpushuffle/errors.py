@@ -31,3 +31,7 @@ class ShuffleDiskFullError(OSError):
 
     def __str__(self) -> str:
         return str(self.args[1])
+
+
+class ShuffleCommError(ConnectionError):
+    """Shards could not be sent to a peer; the message names it."""

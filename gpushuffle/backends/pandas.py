@@ -30,6 +30,8 @@ class PandasTable:
 
     columns: list[Any]
     index: pd.Index | None
+    #: Column labels, for error messages only (output names come from meta).
+    names: tuple[Any, ...] = ()
 
     def __len__(self) -> int:
         return len(self.columns[0]) if self.columns else len(self.index or ())
@@ -106,6 +108,38 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     return out
 
 
+def _family(dtype: Any) -> str:
+    if isinstance(dtype, pd.CategoricalDtype):
+        return "category"
+    if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
+        return "number"
+    if isinstance(dtype, pd.DatetimeTZDtype):
+        return f"datetime[{dtype.tz}]"
+    if pd.api.types.is_datetime64_dtype(dtype):
+        return "datetime"
+    if pd.api.types.is_timedelta64_dtype(dtype):
+        return "timedelta"
+    if pd.api.types.is_string_dtype(dtype):
+        return "object"
+    return str(dtype)
+
+
+def _compatible(actual: Any, expected: Any) -> bool:
+    """Whether data of dtype ``actual`` can be cast to ``expected`` without loss.
+
+    dask's meta is often loose (an int column that became float where a
+    partition had nulls, object strings against string[pyarrow]); those are
+    cast at unpack.  Different kinds of data (numbers against strings, naive
+    against tz-aware timestamps) are an error in the input.
+    """
+    a, e = _family(actual), _family(expected)
+    if a == e:
+        return True
+    # Strings and categories of strings stand for each other; object columns
+    # may hold anything, including what meta describes.
+    return {a, e} <= {"object", "category"} or a == "object" or e == "object"
+
+
 def _plain_index(index: pd.Index) -> bool:
     return type(index) in (pd.Index, pd.RangeIndex) and _poolable(np.empty(0, index.dtype))
 
@@ -153,6 +187,39 @@ class _ColumnBuilder:
         return _concat_column(self.parts, self.dtype, self.pool)
 
 
+def _check_picklable(name: Any, values: pd.Series, input_partition: int) -> None:
+    """Pickle a sample of an object column: values that cannot travel fail here.
+
+    Without this, an unpicklable value surfaces deep in distributed's comm
+    as "Could not serialize object" at the barrier (distributed issue 8310).
+    Only a sample is checked, so a rare bad value can still fail later.
+    """
+    sample = values.iloc[:16].tolist()
+    try:
+        pickle.dumps(sample, protocol=5)
+    except Exception as e:
+        raise ShuffleInputError(
+            f"gpushuffle: column {name!r} of input partition {input_partition} holds values "
+            f"that cannot be pickled to send to another worker ({type(e).__name__}: {e}). "
+            "Convert them (for example to str) or drop the column before shuffling."
+        ) from e
+
+
+def _unpicklable(table: PandasTable, error: Exception) -> ShuffleInputError:
+    """Name the column whose values cannot be pickled (distributed issue 8310)."""
+    for position, values in enumerate(table.columns):
+        try:
+            pickle.dumps(values, protocol=5, buffer_callback=lambda _: None)
+        except Exception as e:
+            name = table.names[position] if position < len(table.names) else position
+            return ShuffleInputError(
+                f"gpushuffle: column {name!r} holds values that cannot "
+                f"be pickled to send to another worker ({type(e).__name__}: {e}). Convert "
+                "them (for example to str) or drop the column before shuffling."
+            )
+    return ShuffleInputError(f"gpushuffle: a shard could not be pickled: {error!r}")
+
+
 class PandasBackend(TableBackend):
     name = "pandas"
 
@@ -175,6 +242,23 @@ class PandasBackend(TableBackend):
                 f"not match the collection's meta (missing: {missing}, unexpected: "
                 f"{extra}, or a different order). Make every partition carry the "
                 "same columns, e.g. with `df[columns]` before shuffling."
+            )
+        for name, actual, expected in zip(meta.columns, frame.dtypes, meta.dtypes, strict=True):
+            if actual != expected and not _compatible(actual, expected):
+                raise ShuffleInputError(
+                    f"gpushuffle: column {name!r} of input partition {input_partition} "
+                    f"has dtype {actual}, but the collection's meta says {expected}, and "
+                    "one cannot stand for the other. Fix the data (`astype`) or the "
+                    "meta (`map_partitions(..., meta=...)`) so they agree."
+                )
+        for i, dtype in enumerate(frame.dtypes):
+            if isinstance(dtype, np.dtype) and dtype.kind == "O":
+                _check_picklable(frame.columns[i], frame.iloc[:, i], input_partition)
+        if not pd.api.types.is_integer_dtype(frame[column].dtype):
+            raise ShuffleInputError(
+                f"gpushuffle: the partition column {column!r} of input partition "
+                f"{input_partition} has dtype {frame[column].dtype}; it must hold "
+                "integers (dask's partitioning_index)."
             )
 
     def split(
@@ -205,12 +289,14 @@ class PandasBackend(TableBackend):
             if i != position
         ]
         index = _take_index(frame.index, order, pool) if keep_index else None
-        return PandasTable(columns, index), offsets
+        names = tuple(c for i, c in enumerate(frame.columns) if i != position)
+        return PandasTable(columns, index, names), offsets
 
     def slice(self, table: PandasTable, start: int, stop: int) -> PandasTable:
         return PandasTable(
             [c[start:stop] for c in table.columns],
             None if table.index is None else table.index[start:stop],
+            table.names,
         )
 
     def assemble(
@@ -269,9 +355,12 @@ class PandasBackend(TableBackend):
 
     def serialize(self, table: PandasTable) -> tuple[dict[str, Any], list[Any]]:
         buffers: list[pickle.PickleBuffer] = []
-        payload = pickle.dumps(
-            (table.columns, table.index), protocol=5, buffer_callback=buffers.append
-        )
+        try:
+            payload = pickle.dumps(
+                (table.columns, table.index), protocol=5, buffer_callback=buffers.append
+            )
+        except Exception as e:
+            raise _unpicklable(table, e) from e
         return {"npickle-buffers": len(buffers)}, [payload, *(b.raw() for b in buffers)]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> PandasTable:

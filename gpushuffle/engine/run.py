@@ -6,9 +6,9 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from gpushuffle._distributed import ResourceLimiter, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import worker_memory
 from gpushuffle.engine.store import ShardStore
+from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
 from gpushuffle.transport import Shard
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.worker_for = worker_for
         memory = worker_memory()
         memory.runs_started += 1
+        self.send_timeout = parse_timedelta(config.get("comm.timeout"), default="s") or None
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
         self.store = ShardStore(
             backend=self.backend,
@@ -198,15 +200,31 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
 
-    async def send(self, address: str, shards: list[tuple[int, Shard]]) -> OKMessage | ErrorMessage:
+    async def send(self, address: str, shards: list[tuple[Any, Shard]]) -> OKMessage | ErrorMessage:
         # The base class measures shards with memoryview(), which fails on
         # frames and device buffers; shards serialize themselves instead.
-        return await retry(
-            partial(self._send, address, shards),
-            count=self.RETRY_COUNT,
-            delay_min=self.RETRY_DELAY_MIN,
-            delay_max=self.RETRY_DELAY_MAX,
-        )
+        async def attempt() -> OKMessage | ErrorMessage:
+            # A peer that stops answering fails the send (TimeoutError is an
+            # OSError, so it is retried like a broken connection).
+            return await asyncio.wait_for(self._send(address, shards), self.send_timeout)
+
+        try:
+            return await retry(
+                attempt,
+                count=self.RETRY_COUNT,
+                delay_min=self.RETRY_DELAY_MIN,
+                delay_max=self.RETRY_DELAY_MAX,
+            )
+        except ShuffleDiskFullError:
+            raise
+        except OSError as e:
+            raise ShuffleCommError(
+                f"gpushuffle {self.id}: sending {len(shards)} shard(s) from "
+                f"{self.local_address} to {address} failed after "
+                f"{self.RETRY_COUNT} retries (distributed.p2p.comm.retry.count), each "
+                f"limited to {self.send_timeout:g} s (gpushuffle.comm.timeout): "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
     async def _receive(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
         self.raise_if_closed()

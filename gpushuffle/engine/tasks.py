@@ -21,7 +21,12 @@ from gpushuffle._distributed import (
     ShuffleId,
     get_worker_plugin,
 )
-from gpushuffle.errors import ShuffleDiskFullError, ShuffleInputError, ShuffleMemoryError
+from gpushuffle.errors import (
+    ShuffleCommError,
+    ShuffleDiskFullError,
+    ShuffleInputError,
+    ShuffleMemoryError,
+)
 
 
 @contextlib.contextmanager
@@ -39,6 +44,7 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
         ShuffleInputError,
         ShuffleMemoryError,
         ShuffleDiskFullError,
+        ShuffleCommError,
     ):
         raise
     except Exception as e:

@@ -26,7 +26,6 @@ from distributed.shuffle._core import (
     ShuffleSpec,
     barrier_key,
     get_worker_plugin,
-    p2p_barrier,
 )
 from distributed.shuffle._exceptions import (
     DataUnavailable,
@@ -57,5 +56,4 @@ __all__ = [
     "barrier_key",
     "get_default_shuffle_method",
     "get_worker_plugin",
-    "p2p_barrier",
 ]

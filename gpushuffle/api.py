@@ -23,10 +23,10 @@ from gpushuffle._distributed import (
     TaskRef,
     barrier_key,
     get_default_shuffle_method,
-    p2p_barrier,
 )
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.spec import GPUShuffleSpec
+from gpushuffle.engine.tasks import barrier as barrier_task
 from gpushuffle.engine.tasks import transfer, unpack
 
 METHOD = "gpushuffle"
@@ -75,7 +75,7 @@ class GPUShuffle(SimpleShuffle):
 
         barrier = P2PBarrierTask(
             barrier_key(shuffle_id),
-            p2p_barrier,
+            barrier_task,
             token,
             *transfers,
             spec=GPUShuffleSpec(

@@ -61,3 +61,22 @@ def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
     with _phase_errors(id, f"unpack of output partition {output_partition}"):
         return get_worker_plugin().get_output_partition(id, barrier_run_id, output_partition)
+
+
+def barrier(id: ShuffleId, *run_ids: int) -> int:
+    """Wait until every input has been transferred; flush every worker's sends.
+
+    Like distributed's ``p2p_barrier``, but a failure names its real cause
+    (a send that failed names the peer) instead of only "failed during
+    barrier phase".
+    """
+    try:
+        return get_worker_plugin().barrier(id, run_ids)
+    except (Reschedule, P2PConsistencyError, P2POutOfDiskError):
+        raise
+    except (ShuffleCommError, ShuffleMemoryError, ShuffleDiskFullError, ShuffleInputError):
+        raise
+    except Exception as e:
+        raise RuntimeError(
+            f"gpushuffle {id} failed during the barrier: {type(e).__name__}: {e}"
+        ) from e

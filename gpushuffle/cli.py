@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import click
 
 from gpushuffle.bench import DEFAULT_METHODS
+
+
+class BadArguments(click.ClickException):
+    """Bad arguments: one line on stderr, exit status 2."""
+
+    exit_code = 2
 
 
 @click.group()
@@ -33,6 +40,14 @@ def main() -> None:
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "ucx"]))
 @click.option("--memory-limit", default=None, help="Worker memory limit, e.g. '8GiB'.")
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    metavar="PATH.png",
+    help="Draw wall time, peak worker memory and worker memory over time per method "
+    "into this PNG (needs matplotlib: pip install 'gpushuffle[plot]').",
+)
 def bench(
     rows: int,
     columns: int,
@@ -44,9 +59,21 @@ def bench(
     protocol: str,
     memory_limit: str | None,
     json_path: str | None,
+    plot_path: str | None,
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
     from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
+
+    if plot_path:
+        from gpushuffle.plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            raise BadArguments(str(e)) from None
+        folder = os.path.dirname(os.path.abspath(plot_path))
+        if not os.path.isdir(folder):
+            raise BadArguments(f"--plot {plot_path}: no directory {folder}")
 
     def progress(r: Result) -> None:
         click.echo(
@@ -77,6 +104,11 @@ def bench(
     if json_path:
         write_json(json_path, results, context)
         click.echo(f"wrote {json_path}")
+    if plot_path:
+        from gpushuffle.plot import plot_benchmark
+
+        plot_benchmark(results, context, plot_path)
+        click.echo(f"wrote {plot_path}")
 
 
 @main.command()

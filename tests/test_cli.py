@@ -437,6 +437,10 @@ ERRORS = {
         "Error: key column 'user' not in {events}; "
         "its columns: event_id, user_id, kind, amount, ts, coupon",
     ),
+    "no key column": (
+        ["{events}", "{tmp}/out", "--on", ","],
+        r"Error: no key column given: pass --on COL\[,COL\.\.\.\]",
+    ),
     "key columns absent": (
         ["{events}", "{tmp}/out", "--on", "user_id,day,hour"],
         "Error: key columns 'day', 'hour' not in {events}; its columns: event_id, .*",
@@ -483,6 +487,19 @@ def test_errors(case, events, error_cases):
     pattern = message.format(**{k: re.escape(str(v)) for k, v in fields.items()})
     assert re.fullmatch(pattern, r.stderr.strip()), r.stderr
     assert sorted(os.listdir(error_cases)) == before  # nothing written, nothing left
+
+
+def test_cluster_without_workers(events, tmp_path):
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty:
+        r = gpushuffle(
+            "shuffle", events, tmp_path / "out", "--on", "user_id",
+            "--scheduler", empty.scheduler_address,
+        )  # fmt: skip
+    assert r.exit_code == 2
+    assert r.stderr == f"Error: the cluster at {empty.scheduler_address} has no workers\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_debug_shows_the_traceback(events, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,8 +41,7 @@ def make_events(root: Path, files: int, rows: int, seed: int = 0) -> Path:
     assert rows % files == 0
     for i in range(files):
         rng = np.random.default_rng(seed + i)
-        n = rows // files + 50 * (i - (files - 1) / 2)  # sizes differ, the total is `rows`
-        n = int(n)
+        n = int(rows // files + 50 * (i - (files - 1) / 2))  # sizes differ; `rows` in all
         coupon = np.where(rng.random(n) < 0.3, None, rng.choice(["SPRING", "VIP"], n))
         pd.DataFrame(
             {
@@ -474,8 +474,6 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_errors(case, events, error_cases):
-    import re
-
     args, message = ERRORS[case]
     fields = {"tmp": error_cases, "events": events, "port": free_port()}
     before = sorted(os.listdir(error_cases))

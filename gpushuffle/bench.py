@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,11 @@ class Result:
     rows_out: int
     peak_worker_rss_bytes: int
     spilled_bytes: int = 0
+    #: Each worker's RSS over the run: ``(seconds since the run started, bytes)``.
+    #: Not written to JSON.
+    rss_timelines: dict[str, list[tuple[float, int]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def gib_per_s(self) -> float:
@@ -52,33 +57,51 @@ def make_partition(i: int, rows: int, ncols: int, nkeys: int) -> pd.DataFrame:
     return pd.DataFrame(data)
 
 
-# -- peak RSS, sampled on each worker in a thread of its own ----------------
+# -- worker RSS, sampled on each worker in a thread of its own ---------------
 
-_SAMPLER: dict[str, Any] = {}
+_SAMPLERS: dict[str, dict[str, Any]] = {}
 
 
-def _start_sampler(interval: float = 0.02) -> None:
+def _start_sampler(interval: float = 0.02, name: str = "bench") -> None:
+    """Sample this worker's RSS every ``interval`` seconds until :func:`_stop_sampler`.
+
+    Runs on workers (``client.run``).  ``name`` keeps samplers of different
+    callers on one worker apart.
+    """
     import psutil
 
     process = psutil.Process()
     stop = threading.Event()
-    state = _SAMPLER
-    state.update(peak=process.memory_info().rss, stop=stop)
+    rss = process.memory_info().rss
+    state: dict[str, Any] = {
+        "process": process,
+        "peak": rss,
+        "stop": stop,
+        "timeline": [(time.time(), rss)],
+    }
+    _SAMPLERS[name] = state
 
     def sample() -> None:
-        while not stop.is_set():
-            state["peak"] = max(state["peak"], process.memory_info().rss)
-            stop.wait(interval)
+        timeline = state["timeline"]
+        while not stop.wait(interval):
+            rss = process.memory_info().rss
+            timeline.append((time.time(), rss))
+            state["peak"] = max(state["peak"], rss)
 
-    thread = threading.Thread(target=sample, daemon=True, name="gpushuffle-rss-sampler")
+    thread = threading.Thread(target=sample, daemon=True, name=f"gpushuffle-rss-sampler-{name}")
     state["thread"] = thread
     thread.start()
 
 
-def _stop_sampler() -> int:
-    _SAMPLER["stop"].set()
-    _SAMPLER["thread"].join()
-    return int(_SAMPLER["peak"])
+def _stop_sampler(name: str = "bench") -> dict[str, Any]:
+    """Stop the sampler; its peak RSS and ``(unix time, RSS)`` samples."""
+    state = _SAMPLERS.pop(name)
+    state["stop"].set()
+    state["thread"].join()
+    rss = state["process"].memory_info().rss
+    state["timeline"].append((time.time(), rss))
+    state["peak"] = max(state["peak"], rss)
+    return {"peak": int(state["peak"]), "timeline": state["timeline"]}
 
 
 def _collect(release_pool: bool) -> None:
@@ -186,10 +209,11 @@ def run_benchmark(
                 client.run(_collect, r == 0)
                 spilled_before = _spilled(client)
                 client.run(_start_sampler)
+                start_time = time.time()
                 start = time.perf_counter()
                 lengths = df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
                 wall = time.perf_counter() - start
-                peaks = client.run(_stop_sampler)
+                samples = client.run(_stop_sampler)
                 _wait_until_released(client, baseline_tasks)
                 result = Result(
                     method=method,
@@ -197,8 +221,12 @@ def run_benchmark(
                     wall_s=wall,
                     input_bytes=input_bytes,
                     rows_out=int(lengths.sum()),
-                    peak_worker_rss_bytes=max(peaks.values()),
+                    peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
                     spilled_bytes=_spilled(client) - spilled_before,
+                    rss_timelines={
+                        worker: [(t - start_time, rss) for t, rss in s["timeline"]]
+                        for worker, s in samples.items()
+                    },
                 )
                 results.append(result)
                 if on_result is not None:
@@ -275,8 +303,10 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
 
 
 def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) -> None:
-    records = [
-        {**asdict(r), "gib_per_s": r.gib_per_s, "machine": context["machine"]} for r in results
-    ]
+    records = []
+    for r in results:
+        record = asdict(r)
+        del record["rss_timelines"]
+        records.append({**record, "gib_per_s": r.gib_per_s, "machine": context["machine"]})
     with open(path, "w") as f:
         json.dump(records, f, indent=2)

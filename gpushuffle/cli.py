@@ -2,13 +2,62 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 import time
+import traceback
+from collections.abc import Iterator
 
 import click
 
 from gpushuffle.bench import DEFAULT_METHODS
+
+
+class BadArguments(click.ClickException):
+    """Input, output, key or cluster are wrong: one line on stderr, exit status 2."""
+
+    exit_code = 2
+
+
+class Failed(click.ClickException):
+    """The shuffle itself failed: one line on stderr, exit status 1."""
+
+    exit_code = 1
+
+
+class Interrupted(click.ClickException):
+    """Ctrl-C: one line on stderr, exit status 130 as shells report SIGINT."""
+
+    exit_code = 130
+
+
+class Terminated(Interrupted):
+    """SIGTERM (a CI job cancelled, ``timeout``): exit status 143, as for SIGTERM."""
+
+    exit_code = 143
+
+
+class _SIGTERM(KeyboardInterrupt):
+    """Raised by the SIGTERM handler, so that the job cleans up as on Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise _SIGTERM
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group()
@@ -37,6 +86,14 @@ def main() -> None:
     help="gpushuffle's store budget per worker (host and device), e.g. '256MiB'.",
 )
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    default=None,
+    metavar="PATH.png",
+    help="Draw wall time, peak worker memory and worker memory over time per method "
+    "into this PNG (needs matplotlib: pip install 'gpushuffle[plot]').",
+)
 def bench(
     rows: int,
     columns: int,
@@ -48,9 +105,21 @@ def bench(
     protocol: str,
     memory_limit: str | None,
     json_path: str | None,
+    plot_path: str | None,
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
     from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
+
+    if plot_path:
+        from gpushuffle.plot import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as e:
+            raise BadArguments(str(e)) from None
+        folder = os.path.dirname(os.path.abspath(plot_path))
+        if not os.path.isdir(folder):
+            raise BadArguments(f"--plot {plot_path}: no directory {folder}")
 
     def progress(r: Result) -> None:
         click.echo(
@@ -81,6 +150,132 @@ def bench(
     if json_path:
         write_json(json_path, results, context)
         click.echo(f"wrote {json_path}")
+    if plot_path:
+        from gpushuffle.plot import plot_benchmark
+
+        plot_benchmark(results, context, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
+@main.command()
+@click.argument("input", metavar="INPUT")
+@click.argument("output", metavar="OUTPUT")
+@click.option(
+    "--on", "on", required=True, metavar="COL[,COL...]", help="Key column(s) to shuffle by."
+)
+@click.option(
+    "--npartitions",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Output partitions, one file each.  [default: as many as the input]",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Workers of the embedded cluster.  [default: sized to the machine]",
+)
+@click.option(
+    "--protocol",
+    type=click.Choice(["tcp", "ucx"]),
+    default="tcp",
+    show_default=True,
+    help="Comms of the embedded cluster.",
+)
+@click.option(
+    "--memory-limit",
+    default=None,
+    help="Memory limit of each embedded worker, e.g. '8GiB'.  "
+    "[default: the machine's memory shared among the workers]",
+)
+@click.option(
+    "--scheduler",
+    metavar="ADDRESS",
+    default=None,
+    help="Run on the cluster at this scheduler address instead of an embedded one; "
+    "its workers must see INPUT and OUTPUT at the same paths (a shared filesystem).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option(
+    "--quiet", "-q", is_flag=True, help="No progress bar and no notes; the summary still prints."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option(
+    "--debug", is_flag=True, help="Show tracebacks, and the embedded scheduler's shuffle log."
+)
+def shuffle(
+    input: str,
+    output: str,
+    on: str,
+    npartitions: int | None,
+    workers: int | None,
+    protocol: str,
+    memory_limit: str | None,
+    scheduler: str | None,
+    overwrite: bool,
+    quiet: bool,
+    as_json: bool,
+    debug: bool,
+) -> None:
+    """Shuffle the Parquet dataset INPUT by key into OUTPUT.
+
+    INPUT is a Parquet file, a directory of them or a glob (quote it).  Rows
+    with equal keys end up in the same output partition, the one dask's
+    partitioning_index assigns, as with any dask shuffle.  OUTPUT becomes a
+    directory with one file per output partition, part.N.parquet (N
+    zero-padded, so names sort in partition order), and a _SUCCESS marker
+    holding the summary.  It is written beside OUTPUT under a hidden name and
+    renamed into place when complete, so a failed or interrupted run leaves
+    OUTPUT as it was.
+
+    \b
+    Exit status: 0 done, 1 the shuffle failed, 2 bad arguments (input,
+    output, key or scheduler), 130 interrupted (Ctrl-C), 143 terminated
+    (SIGTERM).
+    """
+    from gpushuffle.job import ClusterOptions, JobError, shuffle_parquet
+
+    def note(message: str) -> None:
+        if not quiet:
+            click.echo(message, err=True)
+
+    def fail(error: type[click.ClickException], message: str) -> click.ClickException:
+        if debug:
+            traceback.print_exc()
+        return error(message)
+
+    try:
+        with _sigterm_interrupts():
+            summary = shuffle_parquet(
+                input,
+                output,
+                [c.strip() for c in on.split(",") if c.strip()],
+                npartitions=npartitions,
+                overwrite=overwrite,
+                cluster=ClusterOptions(
+                    scheduler=scheduler,
+                    workers=workers,
+                    protocol=protocol,
+                    memory_limit=memory_limit,
+                ),
+                progress=not quiet and sys.stderr.isatty(),
+                note=note,
+                debug=debug,
+            )
+    except JobError as e:
+        raise fail(BadArguments, str(e)) from None
+    except _SIGTERM:
+        raise fail(Terminated, f"terminated; {output} left as it was") from None
+    except KeyboardInterrupt:
+        raise fail(Interrupted, f"interrupted; {output} left as it was") from None
+    except Exception as e:
+        lines = str(e).strip().splitlines()
+        detail = f": {lines[0]}" if lines else ""
+        raise fail(Failed, f"shuffle failed: {type(e).__name__}{detail}") from None
+    if as_json:
+        click.echo(json.dumps(summary.as_dict(), indent=2))
+    else:
+        click.echo(summary.format())
 
 
 @main.command()

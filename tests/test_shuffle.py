@@ -300,3 +300,28 @@ def test_resent_input_partitions_are_ignored(client):
     finally:
         client.run(_restore_transfer)
     assert sum(len(p) for p in parts) == len(pdf)
+
+
+def _phase_metrics(dask_worker, span_id):
+    return [k for k in dask_worker.digests_total if isinstance(k, tuple) and span_id in k]
+
+
+def test_phase_timings_reach_fine_performance_metrics(client):
+    # The dashboard's "Fine Performance Metrics" shows what workers digest
+    # under the task's prefix ("execute") and, for shuffles, under "p2p".
+    from distributed import span
+
+    df = dd.from_pandas(make_frame(400), npartitions=4)
+    out = df.shuffle("key", shuffle_method="gpushuffle").map_partitions(len)
+    with span("phase metrics") as span_id:
+        total = client.compute(out).result().sum()
+    assert total == 400
+    keys = {k for ks in client.run(_phase_metrics, span_id=span_id).values() for k in ks}
+    for prefix, label in [
+        ("gpushuffle-transfer", "p2p-shard-partition-cpu"),
+        ("gpushuffle-transfer", "p2p-shards"),
+        ("gpushuffle-unpack", "p2p-get-output-cpu"),
+    ]:
+        assert any(k[0] == "execute" and k[2] == prefix and k[3] == label for k in keys), label
+    for label in ["shard-partition-cpu", "get-output-cpu"]:
+        assert ("p2p", span_id, "foreground", label, "seconds") in keys

@@ -1,0 +1,630 @@
+"""The ``gpushuffle`` command line: ``shuffle`` end to end and its errors, ``bench --plot``.
+
+Most tests run ``gpushuffle shuffle --scheduler`` in-process (click's
+``CliRunner``) against the session's cluster, so they start no cluster of
+their own; one test per concern runs the real console script with an
+embedded cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+from truth import checksum, partitions_of
+
+from gpushuffle import job
+from gpushuffle.cli import main
+
+pytestmark = pytest.mark.timeout(180)
+
+GPUSHUFFLE = str(Path(sys.executable).parent / "gpushuffle")
+
+
+def make_events(root: Path, files: int, rows: int, seed: int = 0) -> Path:
+    """A multi-file Parquet dataset of click events: skewed user ids, strings, nulls, times."""
+    root.mkdir(parents=True, exist_ok=True)
+    assert rows % files == 0
+    for i in range(files):
+        rng = np.random.default_rng(seed + i)
+        n = int(rows // files + 50 * (i - (files - 1) / 2))  # sizes differ; `rows` in all
+        coupon = np.where(rng.random(n) < 0.3, None, rng.choice(["SPRING", "VIP"], n))
+        pd.DataFrame(
+            {
+                "event_id": np.arange(n) + 1_000_000 * i,
+                "user_id": rng.zipf(1.5, n) % 1000,
+                "kind": rng.choice(["view", "click", "cart", "buy"], n),
+                "amount": rng.gamma(2.0, 20.0, n).round(2),
+                "ts": pd.Timestamp("2026-01-01")
+                + pd.to_timedelta(rng.integers(0, 86400 * 30, n), unit="s"),
+                "coupon": pd.array(coupon, dtype="string"),
+            }
+        ).to_parquet(root / f"events-{i:03d}.parquet", index=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory) -> Path:
+    return make_events(tmp_path_factory.mktemp("data") / "events", files=5, rows=4000)
+
+
+def gpushuffle(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Hidden temporary directories a job left beside its output."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``df`` (index ignored) in a canonical order, to compare multisets."""
+    return df.sort_values(list(df.columns), kind="stable").reset_index(drop=True)
+
+
+def read_files(out: Path) -> list[pd.DataFrame]:
+    return [pd.read_parquet(f) for f in sorted(out.glob("part.*.parquet"))]
+
+
+# -- round trips --------------------------------------------------------------
+
+
+def test_round_trip(client, cluster, events, tmp_path):
+    out = tmp_path / "by_user"
+    r = gpushuffle(
+        "shuffle", events, out, "--on", "user_id", "--npartitions", 7,
+        "--scheduler", cluster.scheduler_address, "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["_SUCCESS"] + [f"part.{i}.parquet" for i in range(7)]
+    assert json.loads((out / "_SUCCESS").read_text()) == summary
+    assert leftovers(tmp_path) == []
+
+    # Every row present once.  (Compared with the input as dask reads it:
+    # dask turns strings into string[pyarrow], and the files record that.)
+    source = dd.read_parquet(events).compute()
+    parts = read_files(out)
+    whole = pd.concat(parts, ignore_index=True)
+    assert len(whole) == len(source)
+    pd.testing.assert_frame_equal(rows(whole), rows(source))
+
+    # Each file holds exactly the rows dask's own shuffle puts in that partition.
+    truth = partitions_of(
+        dd.read_parquet(events).shuffle(
+            "user_id", npartitions=7, ignore_index=True, shuffle_method="tasks"
+        )
+    )
+    for i, (ours, theirs) in enumerate(zip(parts, truth, strict=True)):
+        assert len(ours) == len(theirs), f"file {i}"
+        assert checksum(ours, index=False) == checksum(theirs, index=False), f"file {i}"
+    keys = [set(p["user_id"]) for p in parts]
+    assert sum(len(k) for k in keys) == len(set().union(*keys))
+
+    # The output keeps the input's Arrow types, including in empty files.
+    in_schema = pq.read_schema(next(events.glob("*.parquet")))
+    for f in out.glob("part.*.parquet"):
+        assert pq.read_schema(f).remove_metadata() == in_schema.remove_metadata()
+
+    assert summary["rows"] == len(source)
+    assert summary["output_partitions"] == 7
+    assert summary["input_files"] == 5
+    assert summary["input_partitions"] == 5
+    assert summary["on"] == ["user_id"]
+    assert summary["workers"] == 2
+    assert summary["bytes"] > 0
+    assert summary["wall_s"] > 0
+    assert summary["gib_per_s"] == pytest.approx(summary["bytes"] / 2**30 / summary["wall_s"])
+    assert summary["peak_worker_rss_bytes"] > 10 * 2**20
+    assert summary["bytes_spilled"] == 0
+    assert summary["output_file_bytes"] == sum(f.stat().st_size for f in out.glob("part.*"))
+
+
+def test_several_keys_default_partitions_and_summary_text(client, cluster, events, tmp_path):
+    out = tmp_path / "by_user_kind"
+    r = gpushuffle(
+        "shuffle", str(events / "*.parquet"), out, "--on", "user_id,kind",
+        "--scheduler", cluster.scheduler_address,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"cluster: {cluster.scheduler_address}, 2 workers" in r.stderr
+    for figure in (
+        "rows                4,000",
+        "bytes ",
+        "output partitions   5 files",
+        "wall time",
+        "throughput",
+        "peak worker memory",
+        "bytes spilled       0",
+    ):
+        assert figure in r.stdout
+
+    parts = read_files(out)
+    truth = partitions_of(
+        dd.read_parquet(sorted(events.glob("*.parquet"))).shuffle(
+            ["user_id", "kind"], ignore_index=True, shuffle_method="tasks"
+        )
+    )
+    assert len(parts) == len(truth) == 5
+    for ours, theirs in zip(parts, truth, strict=True):
+        assert checksum(ours, index=False) == checksum(theirs, index=False)
+
+
+def test_named_index_is_kept(client, cluster, tmp_path):
+    source = tmp_path / "indexed"
+    source.mkdir()
+    frames = []
+    for i in range(3):
+        df = pd.DataFrame(
+            {"key": np.arange(50) % 7, "value": np.arange(50.0) + i},
+            index=pd.Index(np.arange(50) + 50 * i, name="row"),
+        )
+        df.to_parquet(source / f"p{i}.parquet")
+        frames.append(df)
+    out = tmp_path / "out"
+    r = gpushuffle(
+        "shuffle", source, out, "--on", "key", "--quiet", "--scheduler", cluster.scheduler_address
+    )
+    assert r.exit_code == 0, r.output
+    assert r.stderr == ""
+    whole = pd.concat(read_files(out))
+    assert whole.index.name == "row"
+    pd.testing.assert_frame_equal(whole.sort_index(), pd.concat(frames).sort_index())
+
+
+def test_overwrite_replaces_the_output(client, cluster, events, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.parquet").write_text("old")
+    r = gpushuffle(
+        "shuffle", events, out, "--on", "user_id", "--npartitions", 2,
+        "--overwrite", "--scheduler", cluster.scheduler_address,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "_SUCCESS",
+        "part.0.parquet",
+        "part.1.parquet",
+    ]
+    assert leftovers(tmp_path) == []
+
+
+def test_interrupted_job_leaves_the_output_as_it_was(
+    client, cluster, events, tmp_path, monkeypatch
+):
+    # Ctrl-C after every file is written, before _SUCCESS and the rename.
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "_verify", interrupt)
+    out = tmp_path / "out"
+    r = gpushuffle(
+        "shuffle", events, out, "--on", "user_id", "--scheduler", cluster.scheduler_address
+    )
+    assert r.exit_code == 130
+    assert r.stderr.splitlines()[-1] == f"Error: interrupted; {out} left as it was"
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    r = gpushuffle(
+        "shuffle", events, out, "--on", "user_id", "--overwrite",
+        "--scheduler", cluster.scheduler_address,
+    )  # fmt: skip
+    assert r.exit_code == 130
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_job_is_one_line_and_exit_status_1(client, cluster, events, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(job, "_verify", broken)
+    out = tmp_path / "out"
+    args = ["shuffle", events, out, "--on", "user_id", "--scheduler", cluster.scheduler_address]
+    r = gpushuffle(*args)
+    assert r.exit_code == 1
+    assert r.stderr.splitlines()[-1] == "Error: shuffle failed: RuntimeError: disk on fire"
+    assert "Traceback" not in r.stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+    r = gpushuffle(*args, "--debug")
+    assert r.exit_code == 1
+    assert "Traceback" in r.stderr
+
+
+def test_progress_bars_show_each_phase(client, cluster, events, tmp_path, capsys):
+    job.shuffle_parquet(
+        str(events),
+        str(tmp_path / "out"),
+        ["user_id"],
+        npartitions=3,
+        cluster=job.ClusterOptions(scheduler=cluster.scheduler_address),
+        progress=True,
+    )
+    err = capsys.readouterr().err
+    for line in ("read ", "5/5", "transfer ", "unpack ", "3/3", "write "):
+        assert line in err
+    assert "barrier" not in err
+
+
+def test_phase_of_task_keys():
+    from gpushuffle.progress import phase_of
+
+    token = "e3b292791278554e8bb2a11593791b6f"
+    assert phase_of((f"gpushuffle-transfer-{token}", 3)) == "transfer"
+    assert phase_of((f"gpushuffle-unpack-{token}", 0)) == "unpack"
+    assert phase_of(f"shuffle-barrier-{token}") == "barrier"
+    assert phase_of((f"read_parquet-{token}", 1)) == "read"
+    assert phase_of((f"read_parquet-operation-{token}", 1)) == "read"
+    assert phase_of((f"toparquetdata-{token}", 1)) == "write"
+    assert phase_of((f"reset_index-toparquetdata-{token}", 1)) == "write"
+    assert phase_of((f"toparquetbarrier-{token}", 0)) == "write"
+    assert phase_of((f"operation-{token}", 0)) == "operation"
+
+
+# -- the console script with an embedded cluster ------------------------------
+
+
+def test_console_script_on_an_embedded_cluster(events, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [GPUSHUFFLE, "shuffle", events, out, "--on", "user_id", "--workers", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["rows"] == 4000 and summary["workers"] == 2
+    # Not a terminal: notes, but no progress bar and no log lines.
+    assert proc.stderr.startswith("cluster: embedded LocalCluster, 2 workers x 1 thread")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert len(list(out.glob("part.*.parquet"))) == 5
+
+
+@pytest.mark.ucx
+def test_console_script_over_ucx(events, tmp_path):
+    pytest.importorskip("distributed_ucxx", reason="the ucx extra is not installed")
+    env = {
+        **os.environ,
+        "UCX_TLS": "tcp,self,sm",
+        "UCX_WARN_UNUSED_ENV_VARS": "n",
+        "DASK_DISTRIBUTED__COMM__UCX__CREATE_CUDA_CONTEXT": "False",
+    }
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [GPUSHUFFLE, "shuffle", events, out, "--on", "user_id", "--workers", "2",
+         "--protocol", "ucx", "--json"],
+        capture_output=True, text=True, timeout=150, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert ", ucx; dashboard" in proc.stderr
+    assert json.loads(proc.stdout)["rows"] == 4000
+    whole = pd.concat(read_files(out), ignore_index=True)
+    assert checksum(whole, index=False) == checksum(pd.read_parquet(events), index=False)
+
+
+SLOW_UNPACK = """
+# Worker preload: output partition 1 takes a minute to unpack.
+import os, time
+import gpushuffle.engine.tasks as tasks
+
+_unpack = getattr(tasks.unpack, "__wrapped__", tasks.unpack)  # imported more than once
+
+
+def unpack(id, output_partition, barrier_run_id):
+    if output_partition == 1:
+        open(os.environ["GPUSHUFFLE_TEST_MARKER"], "w").close()
+        time.sleep(60)
+    return _unpack(id, output_partition, barrier_run_id)
+
+
+unpack.__wrapped__ = _unpack
+tasks.unpack = unpack
+"""
+
+
+@pytest.mark.parametrize(
+    "how, status, word",
+    [
+        # Ctrl-C in a terminal: SIGINT to the whole process group, workers included.
+        (lambda pid: os.killpg(pid, signal.SIGINT), 130, "interrupted"),
+        # `timeout`, a cancelled CI job: SIGTERM to the process.
+        (lambda pid: os.kill(pid, signal.SIGTERM), 143, "terminated"),
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_interrupted_while_writing_leaves_no_output(how, status, word, events, tmp_path):
+    preload = tmp_path / "slow_unpack.py"
+    preload.write_text(SLOW_UNPACK)
+    marker = tmp_path / "unpacking"
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "GPUSHUFFLE_TEST_MARKER": str(marker),
+        "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([str(preload)]),
+    }
+    proc = subprocess.Popen(
+        [GPUSHUFFLE, "shuffle", events, out, "--on", "user_id", "--workers", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "output partition 1 never started"
+            time.sleep(0.05)
+        time.sleep(0.5)  # other partitions' files are written meanwhile
+        how(proc.pid)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == status, stderr
+    assert stdout == ""
+    # One line from gpushuffle; no tracebacks from the workers.
+    assert stderr.splitlines()[-1] == f"Error: {word}; {out} left as it was"
+    assert "Traceback" not in stderr
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow_unpack.py", "unpacking"]
+
+
+# -- errors: one line on stderr, exit status 2 ---------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def error_cases(events, tmp_path):
+    (tmp_path / "notes.parquet").write_text("not parquet at all")
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken").mkdir()
+    return tmp_path
+
+
+ERRORS = {
+    "input missing": (
+        ["{tmp}/nowhere", "{tmp}/out", "--on", "user_id"],
+        "Error: input not found: {tmp}/nowhere",
+    ),
+    "glob matches nothing": (
+        ["{tmp}/nowhere/*.parquet", "{tmp}/out", "--on", "user_id"],
+        r"Error: input not found: no file matches {tmp}/nowhere/\*\.parquet",
+    ),
+    "file not Parquet": (
+        ["{tmp}/notes.parquet", "{tmp}/out", "--on", "user_id"],
+        "Error: input is not Parquet: .*notes.parquet.*",
+    ),
+    "directory of CSV": (
+        ["{tmp}/csv", "{tmp}/out", "--on", "user_id"],
+        "Error: input is not Parquet: .*data.csv.*",
+    ),
+    "empty directory": (
+        ["{tmp}/empty", "{tmp}/out", "--on", "user_id"],
+        "Error: no Parquet files in {tmp}/empty",
+    ),
+    "key column absent": (
+        ["{events}", "{tmp}/out", "--on", "user"],
+        "Error: key column 'user' not in {events}; "
+        "its columns: event_id, user_id, kind, amount, ts, coupon",
+    ),
+    "no key column": (
+        ["{events}", "{tmp}/out", "--on", ","],
+        r"Error: no key column given: pass --on COL\[,COL\.\.\.\]",
+    ),
+    "key columns absent": (
+        ["{events}", "{tmp}/out", "--on", "user_id,day,hour"],
+        "Error: key columns 'day', 'hour' not in {events}; its columns: event_id, .*",
+    ),
+    "output exists": (
+        ["{events}", "{tmp}/taken", "--on", "user_id"],
+        r"Error: output exists: {tmp}/taken \(pass --overwrite to replace it\)",
+    ),
+    "output holds the input": (
+        ["{events}", "{events}", "--on", "user_id", "--overwrite"],
+        "Error: output {events} holds the input; replacing it would delete the input",
+    ),
+    "output inside the input": (
+        ["{events}", "{events}/shuffled", "--on", "user_id"],
+        "Error: output {events}/shuffled is inside the input directory {events}; .*",
+    ),
+    "scheduler unreachable": (
+        ["{events}", "{tmp}/out", "--on", "user_id", "--scheduler", "tcp://127.0.0.1:{port}"],
+        "Error: cannot reach scheduler tcp://127.0.0.1:{port}: .*",
+    ),
+    "scheduler with cluster options": (
+        ["{events}", "{tmp}/out", "--on", "user_id", "--scheduler", "tcp://x:1", "--workers", "2"],
+        "Error: --workers, --protocol and --memory-limit apply only without --scheduler",
+    ),
+    "bad memory limit": (
+        ["{events}", "{tmp}/out", "--on", "user_id", "--memory-limit", "lots"],
+        "Error: invalid --memory-limit 'lots': .*",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_errors(case, events, error_cases):
+    args, message = ERRORS[case]
+    fields = {"tmp": error_cases, "events": events, "port": free_port()}
+    before = sorted(os.listdir(error_cases))
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        r = gpushuffle("shuffle", *(a.format(**fields) for a in args))
+    assert r.exit_code == 2, r.output
+    assert r.stdout == ""
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    pattern = message.format(**{k: re.escape(str(v)) for k, v in fields.items()})
+    assert re.fullmatch(pattern, r.stderr.strip()), r.stderr
+    assert sorted(os.listdir(error_cases)) == before  # nothing written, nothing left
+
+
+def test_cluster_without_workers(events, tmp_path):
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as empty:
+        r = gpushuffle(
+            "shuffle", events, tmp_path / "out", "--on", "user_id",
+            "--scheduler", empty.scheduler_address,
+        )  # fmt: skip
+    assert r.exit_code == 2
+    assert r.stderr == f"Error: the cluster at {empty.scheduler_address} has no workers\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_debug_shows_the_traceback(events, tmp_path):
+    r = gpushuffle("shuffle", events, tmp_path / "out", "--on", "user", "--debug")
+    assert r.exit_code == 2
+    assert "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("Error: key column 'user' not in")
+
+
+def test_bad_option_values_are_usage_errors(events, tmp_path):
+    r = gpushuffle("shuffle", events, tmp_path / "out", "--on", "user_id", "--npartitions", 0)
+    assert r.exit_code == 2
+    assert "Invalid value for '--npartitions'" in r.stderr
+
+
+# -- cluster choice --------------------------------------------------------------
+
+
+def test_cluster_plan():
+    plan = job.plan_cluster
+    assert plan(dask_cuda=False, gpu=None, cudf_backend=False).kind == "LocalCluster"
+    assert plan(dask_cuda=False, gpu="H100", cudf_backend=True).kind == "LocalCluster"
+    assert plan(dask_cuda=True, gpu=None, cudf_backend=True).kind == "LocalCluster"
+    # A usable GPU without a cuDF backend: CPU workers, and the note says why.
+    cpu = plan(dask_cuda=True, gpu="H100", cudf_backend=False)
+    assert (cpu.kind, cpu.backend) == ("LocalCluster", "pandas")
+    assert cpu.note is not None and "no cuDF backend yet" in cpu.note
+    gpu = plan(dask_cuda=True, gpu="H100", cudf_backend=True)
+    assert (gpu.kind, gpu.backend) == ("LocalCUDACluster", "cudf")
+
+
+def test_gpu_probe(monkeypatch):
+    calls = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        return subprocess.CompletedProcess(args, returncode, stdout=stdout)
+
+    monkeypatch.setattr(job.subprocess, "run", run)
+    monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: object())
+    returncode, stdout = 0, "NVIDIA H200\n"
+    assert job.usable_gpu() == "NVIDIA H200"
+    returncode, stdout = 1, ""
+    assert job.usable_gpu() is None
+    monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: None)
+    calls.clear()
+    assert job.usable_gpu() is None
+    assert calls == []  # neither cupy nor rmm: no process started
+
+
+def test_cuda_probe_fails_cleanly_without_a_gpu():
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("this machine has a GPU")
+    assert job.usable_gpu() is None
+
+
+# -- bench --plot -------------------------------------------------------------------
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    png, results = tmp_path / "bench.png", tmp_path / "bench.json"
+    r = gpushuffle(
+        "bench", "--rows", 20_000, "--columns", 4, "--partitions", 4, "--workers", 2,
+        "--methods", "gpushuffle,tasks", "--json", results, "--plot", png,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert f"wrote {png}" in r.stdout
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 30_000
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(png).shape
+    assert width > 1000 and height > 700
+    # The JSON records keep their keys (no memory timelines in them).
+    records = json.loads(results.read_text())
+    assert {tuple(sorted(r)) for r in records} == {
+        (
+            "gib_per_s",
+            "input_bytes",
+            "machine",
+            "method",
+            "peak_worker_rss_bytes",
+            "repeat",
+            "rows_out",
+            "spilled_bytes",
+            "wall_s",
+        )
+    }
+
+
+def test_plot_from_results(tmp_path):
+    from gpushuffle.bench import Result
+    from gpushuffle.plot import median_run, plot_benchmark
+
+    def result(method, repeat, wall, peak):
+        timeline = {
+            f"tcp://w{i}": [(t / 10, int((1 + i + np.sin(t)) * 2**28)) for t in range(30)]
+            for i in range(2)
+        }
+        return Result(method, repeat, wall, 2**30, 10, peak, rss_timelines=timeline)
+
+    results = [
+        result("gpushuffle", 0, 2.0, 3 * 2**30),
+        result("gpushuffle", 1, 1.0, 3 * 2**30),
+        result("gpushuffle", 2, 1.5, 3 * 2**30),
+        result("p2p", 0, 4.0, 2 * 2**30),
+    ]
+    assert median_run(results[:3]).repeat == 2
+    context = {
+        "rows": 10, "columns": 2, "partitions": 1, "workers": 2, "threads_per_worker": 1,
+        "protocol": "tcp", "input_bytes": 2**30, "machine": "test machine",
+        "versions": {"gpushuffle": "0"},
+    }  # fmt: skip
+    path = tmp_path / "plot.png"
+    plot_benchmark(results, context, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    r = gpushuffle("bench", "--rows", 10, "--plot", tmp_path / "x.png")
+    assert r.exit_code == 2
+    assert r.stderr == "Error: plotting needs matplotlib: pip install 'gpushuffle[plot]'\n"
+
+
+def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path):
+    r = gpushuffle("bench", "--plot", tmp_path / "nowhere" / "x.png")
+    assert r.exit_code == 2
+    assert r.stderr == f"Error: --plot {tmp_path}/nowhere/x.png: no directory {tmp_path}/nowhere\n"

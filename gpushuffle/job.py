@@ -308,9 +308,9 @@ def usable_gpu(timeout: float = 60) -> str | None:
 
 
 def cudf_backend_registered() -> bool:
-    from gpushuffle.backends import _BACKENDS
+    from gpushuffle.backends import available
 
-    return "cudf" in _BACKENDS
+    return available("cudf")
 
 
 def plan_cluster(*, dask_cuda: bool, gpu: str | None, cudf_backend: bool) -> ClusterPlan:

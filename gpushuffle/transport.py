@@ -44,8 +44,10 @@ class Shard:
     chunk: int = 0
 
 
-def _serialize(shard: Shard) -> tuple[dict[str, Any], list[Any]]:
-    header, frames = backend_named(shard.backend).serialize(shard.table)
+def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
+    header, frames = backend_named(shard.backend).serialize(
+        shard.table, device_frames=device_frames
+    )
     return {
         "backend": shard.backend,
         "input_partition": shard.input_partition,
@@ -70,12 +72,16 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
     )
 
 
-for _register, _deregister in (
-    (dask_serialize, dask_deserialize),
-    (cuda_serialize, cuda_deserialize),
-):
-    _register.register(Shard)(_serialize)
-    _deregister.register(Shard)(_deserialize)
+def _serialize_device(shard: Shard) -> tuple[dict[str, Any], list[Any]]:
+    return _serialize(shard, device_frames=True)
+
+
+# TCP uses the "dask" family: host frames.  UCX uses "cuda" first: device
+# buffers stay device buffers and distributed-ucxx sends them as CUDA frames.
+dask_serialize.register(Shard)(_serialize)
+dask_deserialize.register(Shard)(_deserialize)
+cuda_serialize.register(Shard)(_serialize_device)
+cuda_deserialize.register(Shard)(_deserialize)
 
 
 @sizeof.register(Shard)

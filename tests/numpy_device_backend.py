@@ -75,7 +75,9 @@ class NumpyDeviceBackend(TableBackend):
         type(self).moves_to_device += 1
         return FakeDeviceTable(table.values.copy(), on_device=True)
 
-    def serialize(self, table: FakeDeviceTable) -> tuple[dict[str, Any], list[Any]]:
+    def serialize(
+        self, table: FakeDeviceTable, *, device_frames: bool = False
+    ) -> tuple[dict[str, Any], list[Any]]:
         assert not table.on_device, "only host tables are written to disk"
         return {"n": len(table)}, [memoryview(np.ascontiguousarray(table.values)).cast("B")]
 

@@ -1,13 +1,19 @@
-"""Table backends: pandas now, cuDF behind the same interface."""
+"""Table backends: pandas, and cuDF (imported only when a cuDF frame shows up)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from gpushuffle.backends.base import TableBackend
 from gpushuffle.backends.pandas import PandasBackend
 
 _BACKENDS: dict[str, type[TableBackend]] = {PandasBackend.name: PandasBackend}
+#: Backends whose module imports heavy libraries: name -> (module, class, the
+#: top-level package of the frames it handles).
+_LAZY: dict[str, tuple[str, str, str]] = {
+    "cudf": ("gpushuffle.backends.cudf", "CudfBackend", "cudf"),
+}
 
 
 def register_backend(backend: type[TableBackend]) -> None:
@@ -15,26 +21,52 @@ def register_backend(backend: type[TableBackend]) -> None:
     _BACKENDS[backend.name] = backend
 
 
+def _load(name: str) -> type[TableBackend]:
+    module, cls, _ = _LAZY[name]
+    backend: type[TableBackend] = getattr(importlib.import_module(module), cls)
+    register_backend(backend)
+    return backend
+
+
 def backend_for(meta: Any) -> TableBackend:
     """The backend that handles frames shaped like ``meta``."""
     for backend in _BACKENDS.values():
         if backend.handles(meta):
             return backend()
+    package = type(meta).__module__.split(".")[0]
+    for name, (_, _, handles_package) in _LAZY.items():
+        if package == handles_package and name not in _BACKENDS:
+            backend = _load(name)
+            if backend.handles(meta):
+                return backend()
     raise TypeError(
         f"gpushuffle cannot shuffle {type(meta).__module__}.{type(meta).__name__} "
-        f"partitions; supported: {', '.join(_BACKENDS)} DataFrames. "
+        f"partitions; supported: pandas and cudf DataFrames. "
         "Convert the collection first (for example with `to_backend('pandas')`)."
     )
 
 
 def backend_named(name: str) -> TableBackend:
     """The backend registered as ``name`` (used when decoding wire headers)."""
+    if name not in _BACKENDS and name in _LAZY:
+        _load(name)
     try:
         return _BACKENDS[name]()
     except KeyError:
         raise ValueError(
-            f"Unknown gpushuffle backend {name!r}; registered: {sorted(_BACKENDS)}"
+            f"Unknown gpushuffle backend {name!r}; known: {sorted({*_BACKENDS, *_LAZY})}"
         ) from None
 
 
-__all__ = ["TableBackend", "backend_for", "backend_named", "register_backend"]
+def available(name: str) -> bool:
+    """Whether backend ``name`` can be loaded here (its libraries import)."""
+    if name in _BACKENDS:
+        return True
+    try:
+        _load(name)
+    except Exception:  # ImportError, or a CUDA library failing to initialise
+        return False
+    return True
+
+
+__all__ = ["TableBackend", "available", "backend_for", "backend_named", "register_backend"]

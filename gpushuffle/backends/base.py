@@ -117,11 +117,15 @@ class TableBackend(abc.ABC):
         """Number of rows in the table."""
 
     @abc.abstractmethod
-    def serialize(self, table: Any) -> tuple[dict[str, Any], list[Any]]:
-        """A header (msgpack-able) and frames for the wire.
+    def serialize(
+        self, table: Any, *, device_frames: bool = False
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """A header (msgpack-able) and frames for the wire or for disk.
 
-        Frames may be any buffer the transport can send: host memoryviews, or
-        device buffers for transports that move device memory (UCX).
+        With ``device_frames`` (distributed's ``cuda`` serializer family, used
+        by UCX) frames may be device buffers exposing
+        ``__cuda_array_interface__``, which UCX sends device to device;
+        otherwise every frame must be host memory.
         """
 
     @abc.abstractmethod

@@ -353,7 +353,9 @@ class PandasBackend(TableBackend):
     def nrows(self, table: PandasTable) -> int:
         return len(table)
 
-    def serialize(self, table: PandasTable) -> tuple[dict[str, Any], list[Any]]:
+    def serialize(
+        self, table: PandasTable, *, device_frames: bool = False
+    ) -> tuple[dict[str, Any], list[Any]]:
         buffers: list[pickle.PickleBuffer] = []
         try:
             payload = pickle.dumps(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from gpushuffle import config
 from gpushuffle._distributed import (
     P2PBarrierTask,
     Shuffle,
@@ -95,9 +96,25 @@ class GPUShuffle(SimpleShuffle):
         return dsk
 
 
+def takes_gpushuffle(method: str, meta: Any) -> bool:
+    """Whether a shuffle with this method name and ``meta`` lowers to gpushuffle.
+
+    ``"gpushuffle"`` always does; ``"p2p"`` does for cuDF-backed frames when
+    ``gpushuffle.p2p-on-cudf`` is true, so RAPIDS code that asks for p2p gets
+    the device path without edits.
+    """
+    if method == METHOD:
+        return True
+    return (
+        method == "p2p"
+        and bool(config.get("p2p-on-cudf"))
+        and type(meta).__module__.split(".")[0] == "cudf"
+    )
+
+
 def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
     method = self.method or get_default_shuffle_method()
-    if method != METHOD:
+    if not takes_gpushuffle(method, self.frame._meta):
         return _dask_lower(self)
     # Like p2p, no Repartition first when reducing the partition count: the
     # shuffle itself maps any number of inputs to any number of outputs.

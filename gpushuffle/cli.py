@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from typing import Any
 
 import click
 
@@ -283,21 +284,33 @@ def shuffle(
 @click.option("--partitions", default=16, show_default=True)
 @click.option("--workers", default=2, show_default=True)
 def demo(rows: int, partitions: int, workers: int) -> None:
-    """Shuffle a generated frame on an embedded local cluster and check it."""
+    """Shuffle a generated frame on an embedded local cluster and check it.
+
+    On a machine with a usable GPU, dask-cuda and cuDF, the cluster is a
+    LocalCUDACluster and the frame is cuDF-backed; otherwise CPU workers
+    shuffle pandas partitions.
+    """
     import dask.dataframe as dd
-    import pandas as pd
     from distributed import Client, LocalCluster
 
     import gpushuffle
     from gpushuffle.bench import make_partition
+    from gpushuffle.job import detect_cluster_plan
 
+    plan = detect_cluster_plan()
+    if plan.note:
+        click.echo(plan.note)
     per_part = -(-rows // partitions)
     sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
-    with (
-        LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        click.echo(f"cluster: {len(client.scheduler_info()['workers'])} CPU workers (pandas)")
+    if plan.kind == "LocalCUDACluster":
+        from dask_cuda import LocalCUDACluster
+
+        cluster_cm: Any = LocalCUDACluster(dashboard_address=":0")
+    else:
+        cluster_cm = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0")
+    with cluster_cm as cluster, Client(cluster) as client:
+        nworkers = len(client.scheduler_info()["workers"])
+        click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")
         df = dd.from_map(
             make_partition,
             range(partitions),
@@ -305,15 +318,18 @@ def demo(rows: int, partitions: int, workers: int) -> None:
             [8] * partitions,
             [rows] * partitions,
             meta=make_partition(0, 0, 8, rows),
-        ).persist()
+        )
+        if plan.backend == "cudf":
+            df = df.to_backend("cudf")
+        df = df.persist()
         nbytes = int(df.memory_usage(deep=True).sum().compute())
         start = time.perf_counter()
         out = gpushuffle.shuffle(df, "key").persist()
         lengths = out.map_partitions(len).compute()
         wall = time.perf_counter() - start
         # Every key must sit in exactly one output partition.
-        keys = out.map_partitions(lambda p: pd.Series(p["key"].unique())).compute()
-        ok = int(lengths.sum()) == rows and keys.is_unique
+        keys = out.map_partitions(lambda p: p["key"].drop_duplicates()).compute()
+        ok = int(lengths.sum()) == rows and bool(keys.is_unique)
         click.echo(
             f"shuffled {rows:,} rows ({nbytes / 2**30:.2f} GiB) into {len(lengths)} partitions "
             f"in {wall:.2f} s ({nbytes / 2**30 / wall:.2f} GiB/s); "

@@ -58,3 +58,33 @@ def assert_nothing_left_behind(client: Client) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"shuffle state left on workers: {state}")
         time.sleep(0.1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run ``gpu`` tests only where a CUDA allocation succeeds.
+
+    cudf, cupy and rmm import on machines without a GPU and fail only at the
+    first allocation, so an import check is not enough: a child process
+    allocates (see gpushuffle.job.usable_gpu).
+    """
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    from gpushuffle.job import usable_gpu
+
+    device = usable_gpu()
+    if device:
+        return
+    reason = (
+        "no usable CUDA device: cupy/rmm are not installed"
+        if not _any_module("cupy", "rmm")
+        else "no usable CUDA device: a CUDA allocation with cupy/rmm failed"
+    )
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _any_module(*names: str) -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(name) for name in names)

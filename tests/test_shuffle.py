@@ -325,3 +325,24 @@ def test_phase_timings_reach_fine_performance_metrics(client):
         assert any(k[0] == "execute" and k[2] == prefix and k[3] == label for k in keys), label
     for label in ["shard-partition-cpu", "get-output-cpu"]:
         assert ("p2p", span_id, "foreground", label, "seconds") in keys
+
+
+class _CudfLikeMeta:
+    """TEST DOUBLE: stands in for an empty cudf.DataFrame (no GPU on CI)."""
+
+    __module__ = "cudf.core.dataframe"
+
+
+def test_p2p_on_cudf_opt_in_is_off_by_default_and_leaves_pandas_alone():
+    from gpushuffle.api import takes_gpushuffle
+
+    cudf_meta, pandas_meta = _CudfLikeMeta(), make_frame(0)
+    assert takes_gpushuffle("gpushuffle", pandas_meta)
+    assert not takes_gpushuffle("p2p", cudf_meta)
+    with dask.config.set({"gpushuffle.p2p-on-cudf": True}):
+        assert takes_gpushuffle("p2p", cudf_meta)
+        assert not takes_gpushuffle("p2p", pandas_meta)
+        assert not takes_gpushuffle("tasks", cudf_meta)
+        df = dd.from_pandas(make_frame(100), npartitions=2)
+        graph = df.shuffle("key", shuffle_method="p2p").__dask_graph__()
+        assert not any("gpushuffle" in str(k) for k in graph)

@@ -138,7 +138,7 @@ def test_validate_names_the_problem():
     meta = pd.DataFrame({"a": [1], "_partitions": [0]}).iloc[:0]
     with pytest.raises(ShuffleInputError, match=r"input partition 3 .*missing: \['a'\]"):
         backend.validate(pd.DataFrame({"_partitions": [0]}), meta, "_partitions", 3)
-    with pytest.raises(ShuffleInputError, match="expected a pandas DataFrame"):
+    with pytest.raises(ShuffleInputError, match=r"expected a pandas\.DataFrame"):
         backend.validate(pd.Series([1]), meta, "_partitions", 0)
     assert isinstance(backend_for(meta), PandasBackend)
 

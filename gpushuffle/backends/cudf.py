@@ -52,8 +52,7 @@ import pylibcudf as plc
 import rmm
 from cudf.core.column import ColumnBase
 
-from gpushuffle.backends.base import TableBackend
-from gpushuffle.errors import ShuffleInputError
+from gpushuffle.backends.base import TableBackend, check_frame
 
 _INDEX_PREFIX = "__gpushuffle_index_"
 
@@ -81,24 +80,7 @@ class CudfBackend(TableBackend):
         return isinstance(meta, cudf.DataFrame)
 
     def validate(self, frame: Any, meta: Any, column: str, input_partition: int) -> None:
-        if not isinstance(frame, cudf.DataFrame):
-            raise ShuffleInputError(
-                f"gpushuffle: input partition {input_partition} is a {type(frame).__name__}, "
-                "expected a cudf.DataFrame like the collection's meta."
-            )
-        if list(frame.columns) != list(meta.columns):
-            missing = [c for c in meta.columns if c not in frame.columns]
-            extra = [c for c in frame.columns if c not in meta.columns]
-            raise ShuffleInputError(
-                f"gpushuffle: the columns of input partition {input_partition} do not match "
-                f"the collection's meta (missing: {missing}, unexpected: {extra}, or a "
-                "different order). Make every partition carry the same columns."
-            )
-        if frame[column].dtype.kind not in "iu":
-            raise ShuffleInputError(
-                f"gpushuffle: the partition column {column!r} of input partition "
-                f"{input_partition} has dtype {frame[column].dtype}; it must hold integers."
-            )
+        check_frame(frame, meta, cudf.DataFrame, input_partition, column)
 
     def split(
         self,

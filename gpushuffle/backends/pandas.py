@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends.base import TableBackend
+from gpushuffle.backends.base import TableBackend, check_frame
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
@@ -228,21 +228,7 @@ class PandasBackend(TableBackend):
         return isinstance(meta, pd.DataFrame)
 
     def validate(self, frame: Any, meta: Any, column: str, input_partition: int) -> None:
-        if not isinstance(frame, pd.DataFrame):
-            raise ShuffleInputError(
-                f"gpushuffle: input partition {input_partition} is a "
-                f"{type(frame).__name__}, expected a pandas DataFrame like the "
-                "collection's meta."
-            )
-        if not frame.columns.equals(meta.columns):
-            missing = [c for c in meta.columns if c not in frame.columns]
-            extra = [c for c in frame.columns if c not in meta.columns]
-            raise ShuffleInputError(
-                f"gpushuffle: the columns of input partition {input_partition} do "
-                f"not match the collection's meta (missing: {missing}, unexpected: "
-                f"{extra}, or a different order). Make every partition carry the "
-                "same columns, e.g. with `df[columns]` before shuffling."
-            )
+        check_frame(frame, meta, pd.DataFrame, input_partition, column)
         for name, actual, expected in zip(meta.columns, frame.dtypes, meta.dtypes, strict=True):
             if actual != expected and not _compatible(actual, expected):
                 raise ShuffleInputError(
@@ -254,12 +240,6 @@ class PandasBackend(TableBackend):
         for i, dtype in enumerate(frame.dtypes):
             if isinstance(dtype, np.dtype) and dtype.kind == "O":
                 _check_picklable(frame.columns[i], frame.iloc[:, i], input_partition)
-        if not pd.api.types.is_integer_dtype(frame[column].dtype):
-            raise ShuffleInputError(
-                f"gpushuffle: the partition column {column!r} of input partition "
-                f"{input_partition} has dtype {frame[column].dtype}; it must hold "
-                "integers (dask's partitioning_index)."
-            )
 
     def split(
         self,

@@ -20,7 +20,7 @@ from distributed.utils import sync
 from distributed.utils_comm import retry
 
 from gpushuffle import config
-from gpushuffle._distributed import ResourceLimiter, ShuffleRun
+from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import worker_memory
 from gpushuffle.engine.store import ShardStore
@@ -240,6 +240,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             self.total_recvd += shard.nbytes
             try:
                 await self.store.put(shard)
+            except ShuffleClosedError:
+                # The run was closed meanwhile; it keeps the reason it has.
+                raise
             except Exception as e:
                 self._exception = e
                 raise

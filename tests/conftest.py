@@ -22,6 +22,22 @@ def cluster():
         yield cluster
 
 
+_LOAD_REPORT: list[str] = []
+
+
+@pytest.fixture
+def load_report():
+    """Lines for the "gpushuffle load timings" section at the end of the run."""
+    return _LOAD_REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LOAD_REPORT:
+        terminalreporter.section("gpushuffle load timings")
+        for line in _LOAD_REPORT:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def client(cluster):
     with Client(cluster) as client:

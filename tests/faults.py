@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import io
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -123,9 +124,7 @@ def cluster_test(
                         try:
                             await asyncio.gather(*workers)
                             async with Client(s.address, asynchronous=True) as c:
-                                await asyncio.wait_for(
-                                    func(c, s, *workers, *args, **kwargs), timeout
-                                )
+                                await _within(timeout, func(c, s, *workers, *args, **kwargs))
                         finally:
                             await asyncio.gather(*(w.close() for w in workers))
 
@@ -138,6 +137,17 @@ def cluster_test(
         return test
 
     return decorator
+
+
+async def _within(timeout: float, coroutine: Awaitable[None]) -> None:
+    task = asyncio.ensure_future(coroutine)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        stack = io.StringIO()
+        task.print_stack(file=stack)  # where the test hangs
+        task.cancel()
+        raise AssertionError(f"test still running after {timeout} s:\n{stack.getvalue()}")
+    task.result()
 
 
 # -- waiting on the scheduler's task states -------------------------------

@@ -22,6 +22,22 @@ def cluster():
         yield cluster
 
 
+_LOAD_REPORT: list[str] = []
+
+
+@pytest.fixture
+def load_report():
+    """Lines for the "gpushuffle load timings" section at the end of the run."""
+    return _LOAD_REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LOAD_REPORT:
+        terminalreporter.section("gpushuffle load timings")
+        for line in _LOAD_REPORT:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def client(cluster):
     with Client(cluster) as client:
@@ -30,7 +46,10 @@ def client(cluster):
         assert_nothing_left_behind(client)
 
 
-def _worker_leftovers(dask_worker) -> dict:
+def worker_leftovers(dask_worker) -> dict:
+    """What shuffles left on a worker: runs, spill directories, store bytes."""
+    from gpushuffle.engine.memory import TIERS, worker_memory
+
     plugin = dask_worker.plugins["shuffle"]
     runs = plugin.shuffle_runs
     files = [
@@ -38,12 +57,29 @@ def _worker_leftovers(dask_worker) -> dict:
         for name in os.listdir(dask_worker.local_directory)
         if name.startswith(("gpushuffle", "shuffle"))
     ]
-    return {"active": list(runs._active_runs), "runs": len(runs._runs), "files": files}
+    memory = worker_memory()
+    return {
+        "active": list(runs._active_runs),
+        "runs": len(runs._runs),
+        "files": files,
+        # Bytes the stores of closed runs still charge to the worker's budget
+        # (shared by every shuffle there): must be none.
+        "store_bytes": {tier: memory.tier(tier).bytes for tier in TIERS},
+    }
 
 
 def _scheduler_leftovers(dask_scheduler) -> dict:
     plugin = dask_scheduler.plugins["shuffle"]
-    return {"active": list(plugin.active_shuffles), "runs": 0, "files": []}
+    return {"active": list(plugin.active_shuffles), "runs": 0, "files": [], "store_bytes": {}}
+
+
+def is_clean(state: dict) -> bool:
+    return (
+        not state["active"]
+        and not state["runs"]
+        and not state["files"]
+        and not any(state["store_bytes"].values())
+    )
 
 
 def assert_nothing_left_behind(client: Client) -> None:
@@ -51,9 +87,9 @@ def assert_nothing_left_behind(client: Client) -> None:
 
     deadline = time.monotonic() + 10
     while True:
-        state = client.run(_worker_leftovers)
+        state = client.run(worker_leftovers)
         state["scheduler"] = client.run_on_scheduler(_scheduler_leftovers)
-        if all(not s["active"] and not s["runs"] and not s["files"] for s in state.values()):
+        if all(is_clean(s) for s in state.values()):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"shuffle state left on workers: {state}")

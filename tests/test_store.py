@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from numpy_device_backend import FakeDeviceTable, NumpyDeviceBackend
 
+from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import register_backend
 from gpushuffle.backends.pandas import PandasBackend, PandasTable
 from gpushuffle.engine.memory import TierUsage, WorkerMemory
@@ -189,3 +190,92 @@ def test_assemble_holds_output_plus_one_piece():
     assert extra <= output_bytes + 2 * piece_bytes + (1 << 20), extra
     # A concatenating implementation would hold every piece and the output.
     assert extra < 2 * output_bytes * 0.75
+
+
+# -- closing while work is in flight (a worker left: the run is closed) -----
+
+
+def pandas_shard(input_partition: int, npartitions: int = 4, rows: int = ROWS) -> Shard:
+    table = PandasTable([np.arange(rows) + input_partition * rows], None)
+    per = rows // npartitions
+    return Shard(
+        "pandas",
+        input_partition,
+        np.arange(npartitions),
+        np.arange(npartitions + 1) * per,
+        table,
+        rows * 8,
+    )
+
+
+def assert_nothing_charged(memory: WorkerMemory) -> None:
+    # Not negative either: a double release would let later shuffles on the
+    # worker exceed the budget.
+    assert (memory.device.bytes, memory.host.bytes, memory.disk.bytes) == (0, 0, 0)
+
+
+def test_close_while_an_unpack_reads_releases_once(tmp_path):
+    memory = make_memory(host=2 * ROWS * 8)
+    store = store_for(PandasBackend(), memory, tmp_path)
+
+    async def fill():
+        for i in range(6):
+            await store.put(pandas_shard(i))
+
+    asyncio.run(fill())
+    assert memory.disk.bytes > 0 and memory.host.bytes > 0
+    _, tables = store.read(0)  # pieces on disk first, in memory last
+    next(tables)
+    store.close()
+    assert_nothing_charged(memory)
+    # The rest of the read finds the run closed (its task is rescheduled).
+    with pytest.raises(ShuffleClosedError):
+        list(tables)
+    assert_nothing_charged(memory)
+    assert not (tmp_path / "spill").exists()
+
+
+def test_close_while_a_shard_moves_to_disk_charges_nothing_after(tmp_path):
+    memory = make_memory(host=ROWS * 8)
+    store = store_for(PandasBackend(), memory, tmp_path)
+
+    async def close_during_offload(func, *args):
+        result = func(*args)  # the file write finished ...
+        store.close()  # ... and the run closed before the store saw it
+        return result
+
+    store._offload = close_during_offload
+
+    async def fill():
+        for i in range(3):
+            await store.put(pandas_shard(i))
+
+    with pytest.raises(ShuffleClosedError):
+        asyncio.run(fill())
+    assert_nothing_charged(memory)
+    assert not (tmp_path / "spill").exists()
+
+
+def test_put_after_close_is_refused(tmp_path):
+    memory = make_memory(host=None)
+    store = store_for(PandasBackend(), memory, tmp_path)
+    store.close()
+    with pytest.raises(ShuffleClosedError):
+        asyncio.run(store.put(pandas_shard(0)))
+    assert_nothing_charged(memory)
+
+
+def test_close_while_waiting_for_memory_is_not_a_memory_error(tmp_path):
+    memory = make_memory(host=ROWS * 8, disk=False)
+    memory.charge("host", ROWS * 8)  # another shuffle holds the whole budget
+    store = store_for(PandasBackend(), memory, tmp_path, wait_timeout=30)
+
+    async def put_then_close():
+        asyncio.get_running_loop().call_later(0.1, store.close)
+        await store.put(pandas_shard(0))
+
+    # A closed run is restarted by distributed; a ShuffleMemoryError would fail it.
+    with pytest.raises(ShuffleClosedError):
+        asyncio.run(put_then_close())
+    memory.release("host", ROWS * 8)
+    assert_nothing_charged(memory)

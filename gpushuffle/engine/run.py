@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from dask.typing import Key
@@ -20,7 +21,7 @@ from distributed.utils import sync
 from distributed.utils_comm import retry
 
 from gpushuffle import config
-from gpushuffle._distributed import ResourceLimiter, ShuffleRun
+from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import worker_memory
 from gpushuffle.engine.store import ShardStore
@@ -30,6 +31,8 @@ from gpushuffle.transport import Shard
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
     from gpushuffle.engine.spec import GPUShuffleSpec
+
+T = TypeVar("T")
 
 
 # The base class's first parameter types both output partitions (ints here)
@@ -94,6 +97,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
             describe=f"gpushuffle {spec.id} on {worker.address}",
         )
+        self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions)
 
     def _layout(self, worker_for: dict[int, str], npartitions: int) -> None:
@@ -209,11 +213,18 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             return await asyncio.wait_for(self._send(address, shards), self.send_timeout)
 
         try:
-            return await retry(
-                attempt,
-                count=self.RETRY_COUNT,
-                delay_min=self.RETRY_DELAY_MIN,
-                delay_max=self.RETRY_DELAY_MAX,
+            # A closing run (its shuffle failed, or restarts because a worker
+            # left) stops its sends at once: close() waits for them, and a send
+            # to a worker that is gone would otherwise keep the run and its
+            # buffers alive for minutes (connects time out after
+            # distributed.comm.timeouts.connect, then retries back off).
+            return await self._unless_closing(
+                retry(
+                    attempt,
+                    count=self.RETRY_COUNT,
+                    delay_min=self.RETRY_DELAY_MIN,
+                    delay_max=self.RETRY_DELAY_MAX,
+                )
             )
         except ShuffleDiskFullError:
             raise
@@ -225,6 +236,24 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"limited to {self.send_timeout:g} s (gpushuffle.comm.timeout): "
                 f"{type(e).__name__}: {e}"
             ) from e
+
+    async def _unless_closing(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable``; if the run starts closing first, cancel it instead."""
+        work = asyncio.ensure_future(awaitable)
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((work, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            aborted = not work.done()
+            if aborted:
+                work.cancel()
+        if aborted:
+            await asyncio.wait((work,))
+            if not work.cancelled():
+                work.exception()  # retrieved: nobody wants it now
+            raise ShuffleClosedError(f"{self} was closed while sending")
+        return work.result()
 
     async def _receive(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
         self.raise_if_closed()
@@ -240,6 +269,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             self.total_recvd += shard.nbytes
             try:
                 await self.store.put(shard)
+            except ShuffleClosedError:
+                # The run was closed meanwhile; it keeps the reason it has.
+                raise
             except Exception as e:
                 self._exception = e
                 raise
@@ -263,10 +295,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         return heartbeat
 
     async def close(self) -> None:
-        try:
-            await super().close()
-        finally:
-            self.store.close()
+        # Release received shards and spill files first: the base class then
+        # waits for the comm buffer's sends, which _closing makes give up.
+        self._closing.set()
+        self.store.close()
+        await super().close()
 
     def read(self, path: Any) -> tuple[Any, int]:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")

@@ -25,6 +25,7 @@ the budget fails at once with :class:`~gpushuffle.errors.ShuffleMemoryError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -174,11 +175,16 @@ class ShardStore:
         # (and senders wait for the reply: back-pressure).
         async with self._evicting:
             with self._lock:
+                # A closed store (its run failed or was restarted after a
+                # worker left) must not take bytes that nobody will release.
+                self._raise_if_closed()
                 self._add_group(group)
                 self._charge(tier, group.nbytes)
                 self.statistics.bytes_in += shard.nbytes
                 self.statistics.shards_in += 1
             await self._make_room()
+            # Closed while making room: what was put is gone with the store.
+            self._raise_if_closed()
 
     async def _make_room(self) -> None:
         for tier in (DEVICE, HOST):
@@ -226,9 +232,12 @@ class ShardStore:
             return
         deadline = time.monotonic() + self._wait_timeout
         while usage.over:
+            # Closed while waiting: distributed restarts the run, which a
+            # ShuffleMemoryError would fail instead.
+            self._raise_if_closed()
             mine = getattr(self.statistics, f"{tier}_bytes")
             others = usage.bytes - mine
-            if others <= 0 or time.monotonic() > deadline or self._closed:
+            if others <= 0 or time.monotonic() > deadline:
                 raise ShuffleMemoryError(
                     f"{self._describe}: received shards need more host memory than "
                     f"gpushuffle.memory.host-limit allows ({_gib(usage.limit)} per worker, "
@@ -250,8 +259,7 @@ class ShardStore:
             # removes the directory: a write racing a close can never recreate
             # the directory after it was removed.
             with self._lock:
-                if self._closed:
-                    raise ShuffleClosedError(f"{self._describe} was closed")
+                self._raise_if_closed()
                 os.makedirs(self._directory, exist_ok=True)
                 f = open(path, "ab")  # noqa: SIM115  (closed by the with below)
             with f:
@@ -283,6 +291,8 @@ class ShardStore:
     def _bring_up(self, partition: int, pieces: list[_Piece]) -> Iterator[Any]:
         try:
             for piece in pieces:
+                # close() deleted the spill files and released every piece.
+                self._raise_if_closed()
                 on_device = piece.group is not None and piece.group.tier == DEVICE
                 table = self._load(piece) if piece.disk is not None else piece.table
                 piece.table = None
@@ -297,9 +307,8 @@ class ShardStore:
             for piece in pieces:
                 if piece.reading:
                     self._consumed(piece)
-            path = os.path.join(self._directory, f"{partition}.bin")
-            if os.path.exists(path):
-                os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):  # or close() removed it
+                os.unlink(os.path.join(self._directory, f"{partition}.bin"))
 
     def _load(self, piece: _Piece) -> Any:
         assert piece.disk is not None
@@ -333,6 +342,12 @@ class ShardStore:
     # -- accounting ---------------------------------------------------------
 
     def _charge(self, tier: str, nbytes: int) -> None:
+        if self._closed:
+            # close() released everything this store held.  Work still in
+            # flight when it closed (a move down whose file write finished,
+            # an unpack consuming its pieces) must neither charge the worker
+            # for bytes nobody will release nor release them a second time.
+            return
         if nbytes >= 0:
             self._memory.charge(tier, nbytes)
         else:
@@ -356,19 +371,29 @@ class ShardStore:
             group.pieces.clear()
 
     def close(self) -> None:
-        """Release every piece and its accounting; delete spill files."""
+        """Release every piece and its accounting; delete spill files.
+
+        Safe while other work on the store is in flight (a put, a move down,
+        an unpack): afterwards it charges and releases nothing and raises
+        :class:`ShuffleClosedError`, which distributed's task wrappers turn
+        into a reschedule.
+        """
         with self._lock:
+            if self._closed:
+                return
+            # The statistics hold exactly what this store charged per tier.
+            for tier in (DEVICE, HOST, DISK):
+                self._charge(tier, -getattr(self.statistics, f"{tier}_bytes"))
             self._closed = True
             for group in self._groups.values():
-                if group.live > 0:
-                    self._charge(group.tier, -group.nbytes)
                 group.pieces.clear()
             self._groups.clear()
-            disk = self.statistics.disk_bytes
-            if disk:
-                self._charge(DISK, -disk)
             self._pieces.clear()
         shutil.rmtree(self._directory, ignore_errors=True)
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise ShuffleClosedError(f"{self._describe} was closed")
 
     def __len__(self) -> int:
         return len(self._pieces)

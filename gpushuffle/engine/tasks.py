@@ -8,6 +8,7 @@ the real cause.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 from collections.abc import Generator
 from typing import Any
@@ -77,6 +78,43 @@ def barrier(id: ShuffleId, *run_ids: int) -> int:
     except (ShuffleCommError, ShuffleMemoryError, ShuffleDiskFullError, ShuffleInputError):
         raise
     except Exception as e:
+        if (peer_error := _error_of_a_peer(e)) is not None:
+            raise peer_error from e
         raise RuntimeError(
             f"gpushuffle {id} failed during the barrier: {type(e).__name__}: {e}"
         ) from e
+
+
+_PEER_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (ShuffleCommError, ShuffleMemoryError, ShuffleInputError)
+}
+
+
+def _error_of_a_peer(e: Exception) -> Exception | None:
+    """The gpushuffle error another worker raised at the barrier, rebuilt from ``e``.
+
+    At the barrier the scheduler tells every worker that inputs are done; a
+    worker whose last sends failed answers with its :class:`ShuffleCommError`.
+    The scheduler keeps only its text (it does not unpickle workers'
+    exceptions) and fails the barrier with ``RuntimeError('Unexpected error
+    encountered during P2P barrier: Exception("ShuffleCommError('...')")')``.
+    Rebuilding the error gives users the documented type, and its own message
+    (which names the peer) instead of three nested reprs.  Anything else:
+    None, and the caller reports ``e`` as it is.
+    """
+    text = str(e)
+    start = text.find("Exception(")
+    if start < 0 or not text.endswith(")"):
+        return None
+    try:
+        inner = ast.literal_eval(text[start + len("Exception(") : -1])
+        if not isinstance(inner, str):
+            return None
+        name, _, arguments = inner.partition("(")
+        cls = _PEER_ERRORS.get(name)
+        if cls is None or not arguments.endswith(")"):
+            return None
+        message = ast.literal_eval(arguments[:-1])
+    except (ValueError, SyntaxError):
+        return None
+    return cls(message) if isinstance(message, str) else None

@@ -1,0 +1,436 @@
+"""Worker loss: distributed's own P2P fault scenarios, run with shuffle_method="gpushuffle".
+
+Borrowed from ``distributed/shuffle/tests/test_shuffle.py`` (closed and
+crashed workers during transfer, barrier and unpack; input-only, bystanding
+and new workers; persisted outputs lost; ``allowed-failures: 0``).  Each
+test compares every output partition with dask's ``tasks`` shuffle (rows
+and checksums) or expects the documented error, then checks that no run, no
+store bytes and no spill file is left on any surviving worker, and that the
+scheduler forgot the shuffle.
+
+The scheduler and the ``Worker``s of ``cluster_test`` live in this process
+(real TCP comms between them); a ``Nanny`` starts a real worker process,
+for crashes.  In-process workers share one memory budget, gpushuffle's
+per-process ``WorkerMemory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+from unittest import mock
+
+import dask
+import pytest
+from distributed import KilledWorker, Nanny, Worker, wait
+from distributed.worker import Status
+from faults import (
+    TRANSFER,
+    UNPACK,
+    assert_closed_worker_clean,
+    assert_correct,
+    assert_scheduler_clean,
+    assert_workers_clean,
+    cluster_test,
+    count_tasks,
+    frame,
+    gpushuffled,
+    local_directory_of,
+    run_ids,
+    spill_files,
+    spill_files_on,
+    truth,
+    wait_for,
+    wait_for_shuffle,
+    wait_for_tasks,
+)
+
+from gpushuffle._distributed import barrier_key
+from gpushuffle.engine.memory import reset_worker_memory
+from gpushuffle.engine.run import GPUShuffleRun
+from gpushuffle.engine.spec import GPUShuffleSpec
+
+pytestmark = pytest.mark.timeout(180)
+
+NIN, ROWS, NOUT = 40, 4000, 30
+SPILL = {"gpushuffle.memory.host-limit": "1 MiB"}
+
+
+@pytest.fixture(autouse=True)
+def _process_state():
+    # Budgets are per process (shared by this process's workers) and read
+    # from the configuration on first use: forget them around each test.
+    reset_worker_memory()
+    yield
+    reset_worker_memory()
+
+
+def settings(budget: str | None) -> dict:
+    return SPILL if budget == "spill" else {}
+
+
+async def parts_of(c: Any, collection: Any) -> list:
+    """Every output partition, computed together in one graph."""
+    return await c.gather(c.compute(collection.to_delayed()))
+
+
+async def finish(c: Any, s: Any) -> None:
+    """Surviving workers hold nothing; once the client is gone the scheduler neither."""
+    await assert_workers_clean(c)
+    await c.close()
+    await assert_scheduler_clean(s)
+
+
+# -- closed workers -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["memory", "spill"])
+@cluster_test(n_workers=2)
+async def test_closed_worker_during_transfer(c, s, a, b, budget):
+    expected = truth(NIN, ROWS, NOUT)
+    with dask.config.set(settings(budget)):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, TRANSFER, "memory", 1, b.address)
+        if budget == "spill":
+            await wait_for(lambda: spill_files(b.local_directory), what="spill files on b")
+        # Mid-transfer: some inputs are in, not all.
+        assert count_tasks(s, TRANSFER, "memory") < NIN
+        await b.close()
+        assert_closed_worker_clean(b)
+
+        assert_correct(await c.gather(futures), expected)
+        assert len(run_ids(s, shuffle_id)) >= 2  # restarted without b
+    del futures
+    await finish(c, s)
+
+
+@cluster_test(n_workers=2)
+async def test_closed_input_only_worker_during_transfer(c, s, a, b):
+    """Every output partition on a: b only sends, and leaves while sending."""
+    expected = truth(NIN, ROWS, NOUT)
+
+    def only_a(self, partition, workers):
+        return a.address
+
+    with mock.patch.object(GPUShuffleSpec, "pick_worker", only_a):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, TRANSFER, "memory", 1, b.address)
+        assert count_tasks(s, TRANSFER, "memory") < NIN
+        await b.close()
+        assert_closed_worker_clean(b)
+        assert_correct(await c.gather(futures), expected)
+    assert len(run_ids(s, shuffle_id)) >= 2
+    del futures
+    await finish(c, s)
+
+
+@cluster_test(n_workers=3)
+async def test_closed_bystanding_worker_during_shuffle(c, s, w1, w2, w3):
+    """A worker outside the shuffle leaving does not restart it."""
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(
+        gpushuffled(NIN, ROWS, NOUT).to_delayed(),
+        workers=[w1.address, w2.address],
+        allow_other_workers=False,
+    )
+    shuffle_id = await wait_for_shuffle(s)
+    await wait_for_tasks(s, TRANSFER, "memory", 1, w1.address)
+    await wait_for_tasks(s, TRANSFER, "memory", 1, w2.address)
+    await w3.close()
+    assert_closed_worker_clean(w3)
+    assert_correct(await c.gather(futures), expected)
+    assert run_ids(s, shuffle_id) == [run_ids(s, shuffle_id)[0]]  # never restarted
+    del futures
+    await finish(c, s)
+
+
+class BlockedInputsDone(GPUShuffleRun):
+    """Holds every worker at the barrier until the test lets it through."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_inputs_done = asyncio.Event()
+        self.block_inputs_done = asyncio.Event()
+
+    async def inputs_done(self) -> None:
+        self.in_inputs_done.set()
+        await self.block_inputs_done.wait()
+        await super().inputs_done()
+
+
+def active_run(worker: Any, shuffle_id: str) -> Any:
+    return worker.plugins["shuffle"].shuffle_runs._active_runs[shuffle_id]
+
+
+async def restarted_run(worker: Any, shuffle_id: str, old: Any) -> Any:
+    runs = worker.plugins["shuffle"].shuffle_runs._active_runs
+
+    def restarted() -> bool:
+        run = runs.get(shuffle_id)
+        return run is not None and run.run_id > old.run_id
+
+    await wait_for(restarted, what="the shuffle to restart")
+    return runs[shuffle_id]
+
+
+@pytest.mark.parametrize("close", ["barrier-worker", "other-worker"])
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=2)
+async def test_closed_worker_during_barrier(c, s, a, b, close):
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffle_id = await wait_for_shuffle(s)
+    key = barrier_key(shuffle_id)
+    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
+    for run in runs.values():
+        await run.in_inputs_done.wait()
+    # Every input transferred; both workers are inside the barrier.
+    assert count_tasks(s, TRANSFER, "memory") == NIN
+    on = s.tasks[key].processing_on.address
+    barrier_worker, other = (a, b) if on == a.address else (b, a)
+    closing, alive = (
+        (barrier_worker, other) if close == "barrier-worker" else (other, barrier_worker)
+    )
+
+    await closing.close()
+    assert_closed_worker_clean(closing)
+    runs[alive].block_inputs_done.set()
+    restarted = await restarted_run(alive, shuffle_id, runs[alive])
+    restarted.block_inputs_done.set()
+
+    assert_correct(await c.gather(futures), expected)
+    del futures
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("budget", ["memory", "spill"])
+@cluster_test(n_workers=2)
+async def test_closed_worker_during_unpack(c, s, a, b, budget):
+    expected = truth(NIN, ROWS, NOUT)
+    with dask.config.set(settings(budget)):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, UNPACK, "memory", 1, b.address)
+        assert count_tasks(s, UNPACK, "memory") < NOUT
+        await b.close()
+        assert_closed_worker_clean(b)
+        assert_correct(await c.gather(futures), expected)
+    assert len(run_ids(s, shuffle_id)) >= 2
+    del futures
+    await finish(c, s)
+
+
+@cluster_test(n_workers=3)
+async def test_closed_worker_between_repeats(c, s, w1, w2, w3):
+    """The same shuffle computed again after workers left runs on the ones left."""
+    expected = truth(NIN, ROWS, NOUT)
+    out = gpushuffled(NIN, ROWS, NOUT)
+    assert_correct(await parts_of(c, out), expected)
+    await assert_workers_clean(c)
+    await w3.close()
+    assert_correct(await parts_of(c, out), expected)
+    await assert_workers_clean(c)
+    await w2.close()
+    assert_correct(await parts_of(c, out), expected)
+    await finish(c, s)
+
+
+@cluster_test(n_workers=2)
+async def test_new_worker_during_shuffle(c, s, a, b):
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    await wait_for_shuffle(s)
+    async with Worker(s.address, nthreads=1) as w:
+        assert_correct(await c.gather(futures), expected)
+        del futures
+        await assert_workers_clean(c)
+        assert w.address in (await c.run(lambda: 1))
+    await finish(c, s)
+
+
+@cluster_test(
+    n_workers=0,
+    # Keep the memory monitor from resetting the status set by hand below.
+    config={"distributed.worker.memory.monitor-interval": "60s"},
+)
+async def test_restarting_does_not_deadlock(c, s):
+    """distributed#8088: the only input worker pauses while the other worker leaves."""
+    expected = truth(NIN, ROWS, NOUT)
+    async with Worker(s.address, nthreads=1) as a:
+        # a holds every input; b joins later and holds none.
+        inputs = c.persist(frame(NIN, ROWS))
+        await wait(inputs)
+        async with Worker(s.address, nthreads=1) as b:
+            assert not s.workers[b.address].has_what
+            out = inputs.shuffle("key", npartitions=NOUT, shuffle_method="gpushuffle")
+            futures = c.compute(out.to_delayed())
+            await wait_for_shuffle(s)
+            a.status = Status.paused
+            await wait_for(lambda: len(s.running) == 1, what="a to pause")
+            b.batched_stream.close()
+            await wait_for(lambda: not s.running, what="b to leave")
+            a.status = Status.running
+            await wait_for(lambda: s.running, what="a to run")
+            assert_correct(await c.gather(futures), expected)
+            del futures, inputs
+            await assert_workers_clean(c)
+    await c.close()
+    await assert_scheduler_clean(s)
+
+
+# -- allowed-failures: 0 -> KilledWorker, not a hang ------------------------
+
+
+@pytest.mark.parametrize("phase", [TRANSFER, UNPACK])
+@cluster_test(n_workers=2, config={"distributed.scheduler.allowed-failures": 0})
+async def test_closed_worker_with_no_allowed_failures_raises_killed_worker(c, s, a, b, phase):
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    await wait_for_shuffle(s)
+    # b is running a task of this phase when it goes.
+    await wait_for_tasks(s, phase, "processing", 1, b.address)
+    await b.close()
+    with pytest.raises(KilledWorker):
+        await c.gather(futures)
+    assert sum(e["action"] == "p2p-failed" for _, e in s.get_events("p2p")) == 1
+    del futures
+    await finish(c, s)
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=2, config={"distributed.scheduler.allowed-failures": 0})
+async def test_closed_barrier_worker_with_no_allowed_failures_raises_killed_worker(c, s, a, b):
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffle_id = await wait_for_shuffle(s)
+    key = barrier_key(shuffle_id)
+    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
+    for run in runs.values():
+        await run.in_inputs_done.wait()
+    closing = a if s.tasks[key].processing_on.address == a.address else b
+    alive = b if closing is a else a
+    await closing.close()
+    with pytest.raises(KilledWorker):
+        await c.gather(futures)
+    runs[alive].block_inputs_done.set()
+    del futures
+    await finish(c, s)
+
+
+# -- crashed worker processes (a Nanny restarts them) -------------------------
+
+
+async def wait_for_restart(s: Any, nanny: Nanny, old: str) -> None:
+    await wait_for(
+        lambda: nanny.worker_address not in (None, old) and nanny.worker_address in s.workers,
+        what="the nanny to restart its worker",
+    )
+
+
+@pytest.mark.parametrize("budget", ["memory", "spill"])
+@cluster_test(n_workers=1, timeout=90)
+async def test_crashed_worker_during_transfer(c, s, a, budget):
+    expected = truth(NIN, ROWS, NOUT)
+    with dask.config.set(settings(budget)):
+        async with Nanny(s.address, nthreads=1) as n:
+            crashed = n.worker_address
+            directory = await local_directory_of(c, crashed)
+            futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+            shuffle_id = await wait_for_shuffle(s)
+            await wait_for_tasks(s, TRANSFER, "memory", 1, crashed)
+            if budget == "spill":
+                deadline = asyncio.get_running_loop().time() + 30
+                while not await spill_files_on(c, crashed):
+                    assert asyncio.get_running_loop().time() < deadline, "nothing spilled"
+            assert count_tasks(s, TRANSFER, "memory") < NIN
+            await n.process.process.kill()
+
+            assert_correct(await c.gather(futures), expected)
+            assert len(run_ids(s, shuffle_id)) >= 2
+            del futures
+            # The worker the Nanny started in its place purged the dead one's
+            # directory, spill files included (distributed's WorkSpace does).
+            await wait_for_restart(s, n, crashed)
+            assert not os.path.exists(directory)
+            await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("budget", ["memory", "spill"])
+@cluster_test(n_workers=1, timeout=90)
+async def test_crashed_worker_during_unpack(c, s, a, budget):
+    expected = truth(NIN, ROWS, NOUT)
+    with dask.config.set(settings(budget)):
+        async with Nanny(s.address, nthreads=1) as n:
+            crashed = n.worker_address
+            futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+            shuffle_id = await wait_for_shuffle(s)
+            await wait_for_tasks(s, UNPACK, "memory", 1, crashed)
+            assert count_tasks(s, UNPACK, "memory") < NOUT
+            await n.process.process.kill()
+
+            assert_correct(await c.gather(futures), expected)
+            assert len(run_ids(s, shuffle_id)) >= 2
+            del futures
+            await wait_for_restart(s, n, crashed)
+            await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=1, timeout=90)
+async def test_crashed_other_worker_during_barrier(c, s, a):
+    expected = truth(NIN, ROWS, NOUT)
+    async with Nanny(s.address, nthreads=1) as n:
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        key = barrier_key(shuffle_id)
+        # The barrier runs on a (in this process, where the run is blocked).
+        s.set_restrictions({key: {a.address}})
+        await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+        run = active_run(a, shuffle_id)
+        await run.in_inputs_done.wait()
+        await n.process.process.kill()
+        run.block_inputs_done.set()
+        restarted = await restarted_run(a, shuffle_id, run)
+        restarted.block_inputs_done.set()
+
+        assert_correct(await c.gather(futures), expected)
+        del futures
+        await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@cluster_test(n_workers=1, timeout=90)
+async def test_crashed_worker_after_shuffle_persisted(c, s, a):
+    """Outputs lost with their worker are recomputed: the shuffle runs again."""
+    expected = truth(NIN, ROWS, NOUT)
+    async with Nanny(s.address, nthreads=1) as n:
+        out = c.persist(gpushuffled(NIN, ROWS, NOUT))
+        await wait(out)
+        await assert_workers_clean(c)
+        lost = count_tasks(s, UNPACK, "memory", n.worker_address)
+        assert lost > 0
+        await n.process.process.kill()
+        await wait_for(lambda: count_tasks(s, UNPACK, "memory") == NOUT - lost, what="outputs lost")
+        assert_correct(await parts_of(c, out), expected)
+        del out
+        await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@cluster_test(n_workers=1, config={"distributed.scheduler.allowed-failures": 0}, timeout=90)
+async def test_crashed_worker_with_no_allowed_failures_raises_killed_worker(c, s, a):
+    async with Nanny(s.address, nthreads=1) as n:
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        await wait_for_shuffle(s)
+        await wait_for_tasks(s, UNPACK, "processing", 1, n.worker_address)
+        await n.process.process.kill()
+        with pytest.raises(KilledWorker):
+            await c.gather(futures)
+        del futures
+        await assert_workers_clean(c)
+    await finish(c, s)

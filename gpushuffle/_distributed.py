@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
 from dask.dataframe.dask_expr._shuffle import (
-    P2PShuffle,
     Shuffle,
     SimpleShuffle,
 )
 from dask.utils import get_default_shuffle_method
 from distributed.shuffle._core import (
-    NDIndex,
     P2PBarrierTask,
     ShuffleId,
     ShuffleRun,
@@ -28,7 +26,6 @@ from distributed.shuffle._core import (
     get_worker_plugin,
 )
 from distributed.shuffle._exceptions import (
-    DataUnavailable,
     P2PConsistencyError,
     P2POutOfDiskError,
     ShuffleClosedError,
@@ -37,12 +34,9 @@ from distributed.shuffle._limiter import ResourceLimiter
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 
 __all__ = [
-    "DataUnavailable",
-    "NDIndex",
     "P2PBarrierTask",
     "P2PConsistencyError",
     "P2POutOfDiskError",
-    "P2PShuffle",
     "ResourceLimiter",
     "Shuffle",
     "ShuffleClosedError",

@@ -92,12 +92,6 @@ class WorkerMemory:
             row["runs"] = self.runs_started
             return row
 
-    def reset_peaks(self) -> None:
-        with self._lock:
-            for name in TIERS:
-                usage = self.tier(name)
-                usage.peak = usage.bytes
-
 
 _MEMORY: WorkerMemory | None = None
 _MEMORY_LOCK = threading.Lock()

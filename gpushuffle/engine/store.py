@@ -395,9 +395,6 @@ class ShardStore:
         if self._closed:
             raise ShuffleClosedError(f"{self._describe} was closed")
 
-    def __len__(self) -> int:
-        return len(self._pieces)
-
 
 def _gib(nbytes: int | None) -> str:
     if nbytes is None:

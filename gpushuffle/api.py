@@ -177,12 +177,14 @@ def shuffle(
 
 
 def _worker_statistics() -> dict[str, Any]:
+    from gpushuffle import transport
     from gpushuffle.engine.memory import worker_memory
     from gpushuffle.engine.pool import host_pool
 
     row = worker_memory().snapshot()
     for key, value in host_pool().statistics.as_dict().items():
         row[f"host_pool_{key}"] = value
+    row.update(transport.statistics.as_dict())
     return row
 
 
@@ -193,8 +195,11 @@ def statistics(client: Any) -> Any:
     (``device``, ``host``, ``disk``) its ``_limit``, the ``_bytes`` received
     shards hold there now and the ``_peak_bytes``; bytes and seconds moved
     between tiers each way (``host_to_disk_bytes``, ``disk_to_host_seconds``,
-    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; and
-    the host buffer pool's counters (``host_pool_...``).
+    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; the
+    host buffer pool's counters (``host_pool_...``); and what crossed the
+    wire (``wire_shards_sent``, ``wire_shards_serialized``,
+    ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,
+    frames handed to UCX as device buffers).
     """
     import pandas as pd
 

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
 
 from gpushuffle.errors import ShuffleInputError
+
+
+def refuse_pickle(table: Any) -> NoReturn:
+    """``__reduce__`` of backend tables: they travel only through their backend."""
+    raise TypeError(
+        f"gpushuffle: a {type(table).__name__} reached plain pickle. Tables must be "
+        "sent and spilled through their backend's serialize() (a Shard in a list "
+        "given to gpushuffle.transport.wire_payload), never pickled: device tables would "
+        "carry raw device addresses."
+    )
 
 
 def check_frame(

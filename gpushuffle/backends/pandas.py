@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends.base import TableBackend, check_frame
+from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
@@ -35,6 +35,11 @@ class PandasTable:
 
     def __len__(self) -> int:
         return len(self.columns[0]) if self.columns else len(self.index or ())
+
+    def __reduce__(self) -> Any:
+        # Shards travel through PandasBackend.serialize (pickle protocol 5,
+        # buffers out of band); reaching plain pickle means a bypass.
+        refuse_pickle(self)
 
 
 def _column_values(frame: pd.DataFrame, i: int) -> Any:

@@ -26,7 +26,7 @@ from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import worker_memory
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
-from gpushuffle.transport import Shard
+from gpushuffle.transport import Shard, wire_payload
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
@@ -237,6 +237,22 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
 
+    async def _send(
+        self, address: str, shards: list[tuple[tuple[int, int], Shard]] | bytes
+    ) -> OKMessage | ErrorMessage:
+        # The message carries a list of Shard objects, so that distributed
+        # hands each to the serializer registered for it (its backend's, in
+        # the ``dask`` family on TCP and the ``cuda`` family on UCX).  The
+        # base class sends the (key, shard) tuples, which distributed pickles
+        # whole without ever reaching those serializers.
+        assert not isinstance(shards, bytes)
+        self.raise_if_closed()
+        return await self.rpc(address).shuffle_receive(
+            data=wire_payload([shard for _, shard in shards]),
+            shuffle_id=self.id,
+            run_id=self.run_id,
+        )
+
     async def _unless_closing(self, awaitable: Awaitable[T]) -> T:
         """Await ``awaitable``; if the run starts closing first, cancel it instead."""
         work = asyncio.ensure_future(awaitable)
@@ -255,9 +271,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             raise ShuffleClosedError(f"{self} was closed while sending")
         return work.result()
 
-    async def _receive(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
+    async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()
-        await self._store(data)
+        await self._store([((shard.input_partition, shard.chunk), shard) for shard in data])
 
     async def _store(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
         for key, shard in data:

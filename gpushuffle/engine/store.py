@@ -209,9 +209,13 @@ class ShardStore:
                 continue
             if group.tier == DEVICE:
                 start = time.perf_counter()
-                host_table = self._backend.to_host(piece.table)
+                # Off the event loop: a device -> host copy takes as long as
+                # its bytes need, and receives must go on meanwhile.
+                host_table = await self._offload(self._backend.to_host, piece.table)
                 moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
                 with self._lock:
+                    if piece.group is not group or piece.reading:
+                        continue  # read or released meanwhile: keep it where it is
                     piece.table, piece.group = host_table, moved
                     self._add_group(moved)
                     self._charge(HOST, piece.nbytes)
@@ -293,13 +297,17 @@ class ShardStore:
             for piece in pieces:
                 # close() deleted the spill files and released every piece.
                 self._raise_if_closed()
-                on_device = piece.group is not None and piece.group.tier == DEVICE
-                table = self._load(piece) if piece.disk is not None else piece.table
-                piece.table = None
-                if self._backend.tier == DEVICE and not on_device:
+                if piece.disk is not None:
+                    # deserialize() returns tables on the backend's tier.
+                    table = self._load(piece)
+                elif piece.group is not None and piece.group.tier != self._backend.tier:
+                    # A device table moved to host memory: bring it back.
                     start = time.perf_counter()
-                    table = self._backend.to_device(table)
+                    table = self._backend.to_device(piece.table)
                     self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
+                else:
+                    table = piece.table
+                piece.table = None
                 yield table
                 del table
                 self._consumed(piece)
@@ -322,8 +330,12 @@ class ShardStore:
         for length in location.lengths:
             frames.append(buffer[offset : offset + length])
             offset += length
-        table = self._backend.deserialize(location.header, frames)
         self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
+        start = time.perf_counter()
+        table = self._backend.deserialize(location.header, frames)
+        if self._backend.tier == DEVICE:
+            # A device backend's deserialize copies the frames to the device.
+            self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
         return table
 
     def _consumed(self, piece: _Piece) -> None:

@@ -113,7 +113,8 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     return out
 
 
-def _family(dtype: Any) -> str:
+def dtype_family(dtype: Any) -> str:
+    """A coarse kind of data: dtypes of one family can be cast to each other."""
     if isinstance(dtype, pd.CategoricalDtype):
         return "category"
     if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
@@ -137,7 +138,7 @@ def _compatible(actual: Any, expected: Any) -> bool:
     cast at unpack.  Different kinds of data (numbers against strings, naive
     against tz-aware timestamps) are an error in the input.
     """
-    a, e = _family(actual), _family(expected)
+    a, e = dtype_family(actual), dtype_family(expected)
     if a == e:
         return True
     # Strings and categories of strings stand for each other; object columns

@@ -8,8 +8,10 @@ same checks over UCX are in test_ucx.py.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -108,3 +110,59 @@ def test_device_tier_down_to_disk_and_back_on_a_cluster():
             assert row["host_to_device_bytes"] > 0, row
             assert row["device_bytes"] == row["host_bytes"] == row["disk_bytes"] == 0
             assert calls[worker]["to_host"] > 0 and calls[worker]["deserialize"] > 0
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["pandas", "device-stand-in"])
+def test_only_the_key_without_the_index(client, device):
+    """Tables without columns: only row counts travel."""
+    pdf = make_frame(2000, seed=13)[["key"]]
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    with stand_in_device(client) if device else contextlib.nullcontext():
+        ours = df.shuffle("key", npartitions=3, ignore_index=True, shuffle_method="gpushuffle")
+        parts = dask.compute(*ours.to_delayed())
+    truth = dask.compute(
+        *df.shuffle("key", npartitions=3, ignore_index=True, shuffle_method="tasks").to_delayed()
+    )
+    assert [len(p) for p in parts] == [len(t) for t in truth]
+    assert sum(len(p) for p in parts) == len(pdf)
+
+
+def test_cpu_runs_never_ask_for_the_device(monkeypatch):
+    """A pandas shuffle reads no device budget (which would open a CUDA context).
+
+    The device stand-in's runs do ask, once per worker.
+    """
+    from faults import cluster_test
+
+    from gpushuffle import config
+    from gpushuffle.engine import memory
+
+    asked: list[int] = []
+
+    def device_memory_total() -> int:
+        asked.append(1)
+        return 1 << 30
+
+    monkeypatch.setattr(config, "device_memory_total", device_memory_total)
+    memory.reset_worker_memory()
+
+    @cluster_test()
+    async def run(c, s, a, b):
+        pdf = make_frame(1000, seed=3)
+        df = dd.from_pandas(pdf, npartitions=4, sort=False)
+        out = df.shuffle("key", npartitions=3, shuffle_method="gpushuffle")
+        assert len(await c.compute(out)) == len(pdf)
+        assert not asked
+        with stand_in_device():
+            # Other output keys than above, or the scheduler may hand back those.
+            out = df.shuffle("key", npartitions=5, shuffle_method="gpushuffle")
+            assert len(await c.compute(out)) == len(pdf)
+        assert len(asked) == 1  # workers share this process: one WorkerMemory
+        limit = memory.worker_memory().device.limit
+        # 0.25 of the device, shared by the two workers on this host's "GPU".
+        assert limit == (1 << 30) // 2 // 4, limit
+
+    try:
+        run()
+    finally:
+        memory.reset_worker_memory()

@@ -39,15 +39,15 @@ except ImportError:  # pragma: no cover - a bare interpreter
     from pip._vendor.packaging.version import Version  # type: ignore
 
 MiB = 2**20
-#: A part, its SHA256SUMS and PIECES included, never exceeds this.
-PART_BYTES = 60 * MiB
+#: A part, its SHA256SUMS and PIECES included, never exceeds this (tests make it smaller).
+PART_BYTES = int(os.environ.get("GPUKIT_PART_BYTES", 60 * MiB))
 #: What its pieces may take: the rest is left for the two small text files.
-PIECE_BYTES = PART_BYTES - 256 * 1024
+PIECE_BYTES = PART_BYTES - min(256 * 1024, PART_BYTES // 4)
 #: What one device call may carry: the working tree and the carried paths.
 CALL_BYTES = 64 * MiB
 #: The GPU machine's interpreter and platform.
-TARGET = {
-    **default_environment(),
+TARGET: dict[str, str] = {
+    **default_environment(),  # type: ignore[dict-item]
     "implementation_name": "cpython",
     "platform_python_implementation": "CPython",
     "python_version": "3.12",
@@ -80,7 +80,9 @@ class Lock:
 
 
 def parse_lock(path: Path) -> Lock:
-    wheels, device, omit = [], {}, {}
+    wheels: list[Wheel] = []
+    device: dict[str, str | None] = {}
+    omit: dict[str, str] = {}
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -155,7 +157,7 @@ def closure(lock: Lock, wheels: list[Wheel]) -> Closure:
         while todo:
             owner, text, extra = todo.pop(0)
             req = Requirement(text)
-            env = {**TARGET, "extra": extra or ""}
+            env: dict[str, str] = {**TARGET, "extra": extra or ""}
             if req.marker is not None and not req.marker.evaluate(env):
                 continue
             req.marker = None
@@ -316,12 +318,15 @@ def _copy_range(source: Path, target: Path, offset: int, length: int) -> None:
 def tree_bytes(root: Path) -> int:
     """What travels with every device call besides the carried paths: tracked and
     untracked-not-ignored files of this checkout (the lead's, when it calls)."""
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        capture_output=True,
-        check=True,
-    ).stdout
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0  # not a git checkout: nothing else travels
     total = 0
     for name in out.decode().split("\0"):
         path = root / name

@@ -38,9 +38,9 @@ source_stamp() {
 }
 
 build() {
-    local start=$SECONDS group req file want got fetched=0 reused=0
+    local start=$SECONDS _group kind req file want got fetched=0 reused=0
     mkdir -p "$KIT/cache" "$KIT/build"
-    while read -r kind group req file want; do
+    while read -r kind _group req file want; do
         [ "$kind" = wheel ] || continue
         if [ -f "$KIT/cache/$file" ] && [ "$(sha "$KIT/cache/$file")" = "$want" ]; then
             reused=$((reused + 1))

@@ -34,7 +34,7 @@ LOADED=0
 
 # Read every arrived part's PIECES.
 load() {
-    local dir kind rest a b c d e f g h i
+    local dir kind rest a b d e f g h i
     [ $LOADED = 1 ] && return 0
     LOADED=1
     shopt -s nullglob
@@ -48,7 +48,7 @@ load() {
             parts) read -r -a EXPECTED <<<"$rest" ;;
             piece)
                 # piece FILE SHA BYTES WHEEL INDEX COUNT WHEEL_SHA WHEEL_BYTES GROUP
-                read -r a b c d e f g h i <<<"$rest"
+                read -r a b _ d e f g h i <<<"$rest"
                 PIECE_PATH["$d#$e"]=$dir/$a
                 if [ -z "${WHEEL_SHA[$d]:-}" ]; then
                     WHEELS+=("$d")
@@ -159,8 +159,10 @@ install_site() {
     tmp=$(mktemp -d "${TMPDIR:-/tmp}/gpukit-wheels.XXXXXX")
     trap 'rm -rf "$tmp"' RETURN
     assemble "$tmp"
-    stamp=$(cd "$tmp" && ls | sort | sha256sum)
+    local f n=0
+    stamp=$(for f in "$tmp"/*.whl; do echo "${f##*/} ${WHEEL_SHA[${f##*/}]}"; done | sha256sum)
     stamp=${stamp%% *}
+    for f in "$tmp"/*.whl; do n=$((n + 1)); done
     if [ -f "$site/.gpukit-installed" ] && [ "$(cat "$site/.gpukit-installed")" = "$stamp" ]; then
         echo "install: $site already holds these wheels"
         return 0
@@ -170,7 +172,7 @@ install_site() {
     PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --disable-pip-version-check --target "$site" ${GPUKIT_PIP_ARGS:-} "$tmp"/*.whl
     echo "$stamp" >"$site/.gpukit-installed"
-    echo "installed $(ls "$tmp" | wc -l) wheels into $site (PYTHONPATH=$site)"
+    echo "installed $n wheels into $site (PYTHONPATH=$site)"
 }
 
 case "${1:-}" in

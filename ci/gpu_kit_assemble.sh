@@ -108,15 +108,21 @@ probe_machine() {
     echo "--- machine"
     "$PYTHON" --version
     "$PYTHON" -m pip --version
-    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
+    else
+        echo "nvidia-smi: not found"
+    fi
     local smi
     smi=$(nvidia-smi 2>/dev/null || true)
     [[ $smi =~ CUDA\ Version:\ *[0-9.]+ ]] && echo "driver's ${BASH_REMATCH[0]}"
     echo "--- versions the kit relies on there (ci/gpu_kit.lock 'device' lines), and what the kit carries"
     "$PYTHON" - ci/gpu_kit.lock <<'EOF' || true
 import importlib.metadata as md, sys
-names = [l.split()[1] for l in open(sys.argv[1]) if l.startswith(("device ", "wheel "))]
-names = [n.split("==")[0] for n in names] + ["torch", "pytest", "pytest-timeout", "hypothesis"]
+lines = [l.split() for l in open(sys.argv[1])]
+names = [l[2].split("==")[0] for l in lines if l[:1] == ["wheel"]]
+names += [l[1] for l in lines if l[:1] == ["device"]]
+names += ["torch", "pytest", "pytest-timeout", "hypothesis"]
 for name in names:
     try:
         print(f"  {name} {md.version(name)}")

@@ -318,7 +318,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
 
     import gpushuffle
     from gpushuffle.bench import make_partition
-    from gpushuffle.job import detect_cluster_plan
+    from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan
 
     plan = detect_cluster_plan()
     if plan.note:
@@ -340,7 +340,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
         )
     else:
         cluster_cm = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0")
-    with cluster_cm as cluster, Client(cluster) as client:
+    with cluster_cm as cluster, _quiet_shuffle_log(debug=False), Client(cluster) as client:
         nworkers = len(client.scheduler_info()["workers"])
         click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")
         df = dd.from_map(

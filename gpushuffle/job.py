@@ -429,6 +429,9 @@ _WORKER_PRELOAD = "gpushuffle._embedded_worker"
 
 @contextlib.contextmanager
 def _quiet_shuffle_log(debug: bool) -> Iterator[None]:
+    # distributed's scheduler plugin logs a WARNING when each shuffle starts
+    # and ends; in an embedded cluster (scheduler in this process) they read
+    # like problems.  Kept with --debug.
     logger = logging.getLogger("distributed.shuffle._scheduler_plugin")
     level = logger.level
     if not debug:

@@ -658,3 +658,16 @@ def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path):
     r = gpushuffle("bench", "--plot", tmp_path / "nowhere" / "x.png")
     assert r.exit_code == 2
     assert r.stderr == f"Error: --plot {tmp_path}/nowhere/x.png: no directory {tmp_path}/nowhere\n"
+
+
+def test_demo_checks_its_result_and_keeps_distributed_logs_out():
+    proc = subprocess.run(
+        [GPUSHUFFLE, "demo", "--rows", "100000", "--partitions", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "every row present once, each key in one partition: yes" in proc.stdout
+    # distributed's scheduler plugin warns at every shuffle's start and end.
+    assert "initialized by task" not in proc.stdout + proc.stderr

@@ -207,6 +207,37 @@ class CudfBackend(TableBackend):
             buffer = rmm.DeviceBuffer.to_device(memoryview(data).cast("B"))
         return _unpack(header["nrows"], header["nbytes"], bytes(metadata), buffer)
 
+    def merge(
+        self,
+        left: Any,
+        right: Any,
+        *,
+        how: str,
+        left_on: Any,
+        right_on: Any,
+        left_index: bool,
+        right_index: bool,
+        suffixes: tuple[str, str],
+        indicator: bool,
+        meta: Any,
+    ) -> Any:
+        # One cuDF hash join of the two assembled device frames.  "leftsemi"
+        # is a cuDF join type of its own (pandas needs the right side's
+        # duplicates dropped first); cuDF raises for indicator=True.
+        out = left.merge(
+            right,
+            how=how,
+            left_on=left_on,
+            right_on=right_on,
+            left_index=left_index,
+            right_index=right_index,
+            suffixes=suffixes,
+            indicator=indicator,
+        )
+        if list(out.columns) != list(meta.columns):
+            out = out[list(meta.columns)]
+        return out
+
 
 def _unpack(nrows: int, nbytes: int, metadata: bytes, device: Any) -> CudfTable:
     table = plc.contiguous_split.unpack_from_memoryviews(

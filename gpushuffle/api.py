@@ -177,7 +177,7 @@ class GPUHashJoin(HashJoinP2P):
                 join_transfer,
                 TaskRef((frame._name, i)),
                 on,
-                self.npartitions,
+                self._npartitions,
                 token,
                 i,
                 index_merge,
@@ -193,10 +193,12 @@ class GPUHashJoin(HashJoinP2P):
             spec=GPUShuffleSpec(
                 id=ShuffleId(token),
                 disk=False,
-                npartitions=self.npartitions,
+                # All of the join's partitions (self.npartitions counts only
+                # those computed when some are filtered out).
+                npartitions=self._npartitions,
                 column=PARTITION_COLUMN,
                 meta=meta,
-                parts_out=tuple(parts_out) if self._filtered else self.npartitions,
+                parts_out=tuple(parts_out) if self._filtered else self._npartitions,
                 # pandas gives a join on columns a fresh RangeIndex: then the
                 # sides' indexes need not travel.
                 ignore_index=not self._keeps_index,
@@ -219,9 +221,12 @@ class GPUHashJoin(HashJoinP2P):
         parts_out = list(self._partitions)
         token_left, barrier_left = self._side(dsk, "left", parts_out)
         token_right, barrier_right = self._side(dsk, "right", parts_out)
-        for part_out in parts_out:
+        # Keys count the outputs computed (0, 1, ...), as dask-expr expects of
+        # a filtered expression; dask's HashJoinP2P keys them by partition
+        # number, and `.partitions[2]` of a p2p join fails.
+        for i, part_out in enumerate(parts_out):
             t = Task(
-                (self._name, part_out),
+                (self._name, i),
                 join_unpack,
                 token_left,
                 token_right,

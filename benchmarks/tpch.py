@@ -4,7 +4,7 @@
 ``tpchgen-cli`` (Parquet, ``--parts`` files per table) unless it is there,
 starts a ``LocalCluster`` (2 workers x 1 thread by default), reads every
 table with ``dd.read_parquet`` and persists it, then runs each query with
-each method in turn (``dataframe.shuffle.method`` set for the query: joins,
+each method in turn, round by round (``dataframe.shuffle.method`` set for the query: joins,
 groupby ``split_out``, ``set_index``, ``sort_values`` and
 ``drop_duplicates`` all take it), ``--repeat`` times, checking every result
 against DuckDB on the same files.  Writes JSON (every run, and medians with
@@ -86,8 +86,12 @@ def run(
         )
         baseline_tasks = client.run_on_scheduler(_scheduler_task_count)
         for query in queries:
-            for method in methods:
-                for r in range(repeat):
+            # Methods take turns, round by round, so that a change in the
+            # machine's load (it is shared) falls on all of them alike.
+            for r in range(repeat):
+                for method in methods:
+                    # Before the first round gpushuffle's host pool is emptied:
+                    # its first run pays for fresh memory, as in a new cluster.
                     client.run(_collect, r == 0)
                     client.run(_start_sampler)
                     start = time.perf_counter()
@@ -181,6 +185,7 @@ def format_summary(summary: list[dict[str, Any]], methods: list[str]) -> str:
 def plot(
     summary: list[dict[str, Any]], methods: list[str], context: dict[str, Any], path: str
 ) -> None:
+    """Median wall time per query and method (top), median peak worker RSS (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,21 +195,28 @@ def plot(
     names = [row["query"] for row in summary]
     x = np.arange(len(names))
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True)
     for k, m in enumerate(methods):
-        values = [row[f"{m}_s"] for row in summary]
-        bars = ax.bar(x + (k - (len(methods) - 1) / 2) * width, values, width, label=m)
-        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-    ax.set_xticks(x, names, rotation=20)
-    ax.set_ylabel(f"seconds (median of {context['repeat']})")
-    ax.set_title(
-        f"TPC-H SF1 on dask: {context['workers']} workers x {context['threads_per_worker']} "
-        "thread, persisted inputs, pandas\n" + context["machine"],
+        offset = (k - (len(methods) - 1) / 2) * width
+        bars = top.bar(x + offset, [row[f"{m}_s"] for row in summary], width, label=m)
+        top.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+        peaks = [row[f"{m}_peak_rss_bytes"] / 2**30 for row in summary]
+        bars = bottom.bar(x + offset, peaks, width, label=m)
+        bottom.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
+    top.set_ylabel(f"wall seconds (median of {context['repeat']})")
+    bottom.set_ylabel("peak RSS of the largest worker, GiB")
+    bottom.set_xticks(x, names, rotation=20)
+    versions = context.get("versions", {})
+    top.set_title(
+        f"TPC-H SF{context.get('scale', 1):g} (tpchgen-cli Parquet) on dask "
+        f"{versions.get('dask', '')}, pandas {versions.get('pandas', '')}: "
+        f"{context['workers']} workers x {context['threads_per_worker']} thread, "
+        f"persisted inputs\n{context['machine']}; results checked against DuckDB",
         fontsize=9,
     )
-    ax.legend()
+    top.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None, help="write every run and the medians here")
     parser.add_argument("--plot", default=None, help="write a bar chart of the medians here")
+    parser.add_argument(
+        "--replot", default=None, metavar="JSON", help="only draw --plot from a result file"
+    )
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        methods = [m for m in METHODS if f"{m}_s" in saved["summary"][0]]
+        plot(saved["summary"], methods, saved["context"], args.plot or "tpch.png")
+        return 0
     queries = args.queries.split(",")
     unknown = [q for q in queries if q not in QUERIES]
     if unknown:

@@ -6,8 +6,10 @@ shuffle lowering.  Neither is public API, so every such import lives here: a
 distributed or dask upgrade that moves them touches this file only.
 
 Checked against dask and distributed 2026.7.1 and 2026.8.0, whose
-``distributed/shuffle/`` and ``dask_expr/_shuffle.py`` are identical.  The join hook also uses
-``dask_expr/_merge.py`` (``Merge._lower``, ``HashJoinP2P``, ``BroadcastJoin``).
+``distributed/shuffle/`` and ``dask_expr/_shuffle.py`` are identical.  The join
+hook also uses
+``dask_expr/_merge.py`` (``Merge._lower``, ``HashJoinP2P``, ``BroadcastJoin``)
+and ``dask/dataframe/multi.py`` (``merge_chunk``), also identical in both.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from dask.dataframe.dask_expr._shuffle import (
     _is_numeric_cast_type,
     _select_columns_or_index,
 )
+from dask.dataframe.multi import merge_chunk
+from dask.dataframe.shuffle import partitioning_index
+from dask.tokenize import _tokenize_deterministic
 from dask.utils import get_default_shuffle_method
 from distributed.shuffle._core import (
     P2PBarrierTask,
@@ -66,7 +71,10 @@ __all__ = [
     "_contains_index_name",
     "_is_numeric_cast_type",
     "_select_columns_or_index",
+    "_tokenize_deterministic",
     "barrier_key",
     "get_default_shuffle_method",
     "get_worker_plugin",
+    "merge_chunk",
+    "partitioning_index",
 ]

@@ -22,8 +22,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from dask.tokenize import _tokenize_deterministic
-
 from gpushuffle import config
 from gpushuffle._distributed import (
     BlockwiseMerge,
@@ -38,6 +36,7 @@ from gpushuffle._distributed import (
     Task,
     TaskRef,
     _contains_index_name,
+    _tokenize_deterministic,
     barrier_key,
     get_default_shuffle_method,
 )

@@ -186,7 +186,7 @@ class TableBackend(abc.ABC):
         own ``merge_chunk`` (the function ``p2p``'s and ``tasks``' joins call
         on each partition), which dispatches to the frame type's ``merge``.
         """
-        from dask.dataframe.multi import merge_chunk
+        from gpushuffle._distributed import merge_chunk
 
         return merge_chunk(
             left,

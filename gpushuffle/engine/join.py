@@ -16,13 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from dask.dataframe.shuffle import partitioning_index
 
 from gpushuffle._distributed import (
     ShuffleId,
     _is_numeric_cast_type,
     _select_columns_or_index,
     get_worker_plugin,
+    partitioning_index,
 )
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.tasks import _phase_errors, transfer

@@ -14,6 +14,20 @@ pytest.importorskip("duckdb", reason="the bench extra (duckdb, tpchgen-cli) is n
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
+def _has_tpchgen() -> bool:
+    import os
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), "tpchgen-cli")
+    return bool(shutil.which("tpchgen-cli")) or os.path.exists(beside)
+
+
+@pytest.fixture(autouse=True)
+def _needs_tpchgen():
+    if not _has_tpchgen():
+        pytest.skip("the bench extra (tpchgen-cli) is not installed")
+
+
 def test_tpch_benchmark_checks_every_method_against_duckdb(tmp_path):
     from benchmarks.tpch import generate
 

@@ -389,6 +389,37 @@ class _ColumnBuilder:
             out = out._set_categories(known, is_unique=True, ordered=bool(self.dtype.ordered))
         return out
 
+    def merge(
+        self,
+        left: Any,
+        right: Any,
+        *,
+        how: str,
+        left_on: Any,
+        right_on: Any,
+        left_index: bool,
+        right_index: bool,
+        suffixes: tuple[str, str],
+        indicator: bool,
+        meta: Any,
+    ) -> Any:
+        # One cuDF hash join of the two assembled device frames.  "leftsemi"
+        # is a cuDF join type of its own (pandas needs the right side's
+        # duplicates dropped first); cuDF raises for indicator=True.
+        out = left.merge(
+            right,
+            how=how,
+            left_on=left_on,
+            right_on=right_on,
+            left_index=left_index,
+            right_index=right_index,
+            suffixes=suffixes,
+            indicator=indicator,
+        )
+        if list(out.columns) != list(meta.columns):
+            out = out[list(meta.columns)]
+        return out
+
 
 def _staging_bytes(nbytes: int) -> int:
     return max(_MIN_STAGING_BYTES, min(STAGING_BYTES, nbytes))

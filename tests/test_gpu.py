@@ -448,6 +448,38 @@ def test_p2p_on_cudf_runs_on_gpushuffle(gpu_client):
         assert len(out) == 2000
 
 
+@pytest.mark.parametrize("how", ["inner", "left", "outer", "leftsemi"])
+def test_join_on_cudf_matches_pandas(gpu_client, how):
+    """The fused hash join on the device: cuDF's merge of both sides' pieces."""
+    import cudf
+
+    rng = np.random.default_rng(7)
+    left = pd.DataFrame(
+        {"k": rng.integers(0, 400, 6000), "row": np.arange(6000), "x": rng.random(6000)}
+    )
+    right = pd.DataFrame({"k": np.arange(0, 500, 2), "y": np.arange(250).astype("f8")})
+    gl = dd.from_pandas(cudf.from_pandas(left), npartitions=5, sort=False)
+    gr = dd.from_pandas(cudf.from_pandas(right), npartitions=3, sort=False)
+    with dask.config.set({"gpushuffle.p2p-on-cudf": True}):
+        for method in ("gpushuffle", "p2p"):  # p2p on cuDF is routed to gpushuffle
+            joined = gl.merge(gr, on="k", how=how, shuffle_method=method, broadcast=False)
+            graph = joined.__dask_graph__()
+            assert any("gpushuffle-join" in str(k) for k in graph), method
+            ours = joined.compute().to_pandas()
+            if how == "leftsemi":
+                truth = left[left["k"].isin(right["k"])]
+            else:
+                truth = left.merge(right, on="k", how=how)
+            assert len(ours) == len(truth), (method, how)
+            key = list(truth.columns)
+            pd.testing.assert_frame_equal(
+                ours.sort_values(key).reset_index(drop=True)[list(truth.columns)],
+                truth.sort_values(key).reset_index(drop=True),
+                check_dtype=False,
+            )
+    assert_nothing_left_behind(gpu_client)
+
+
 # -- the command line ---------------------------------------------------------
 
 

@@ -32,6 +32,9 @@ MIN_POOLED_BYTES = 1 << 20
 SLACK = 1.25
 _ALIGN = 1 << 16
 
+#: What a buffer is for; :meth:`HostBufferPool.usage` reports bytes in use by tag.
+TAGS = ("split", "unpack", "read", "other")
+
 
 @dataclass
 class PoolStatistics:
@@ -42,6 +45,7 @@ class PoolStatistics:
     bytes_released: int = 0
     bytes_free: int = 0
     bytes_free_peak: int = 0
+    bytes_in_use: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -67,12 +71,17 @@ class HostBufferPool:
         self._blocks: list[tuple[np.ndarray, float]] = []
         # Finalizers may run in any thread, even inside a pool call of the
         # same thread (a garbage collection): they only append here.
-        self._returned: deque[np.ndarray] = deque()
+        self._returned: deque[tuple[np.ndarray, str]] = deque()
+        self._in_use = dict.fromkeys(TAGS, 0)
         self.statistics = PoolStatistics()
         self._trimmer: threading.Thread | None = None
 
-    def empty(self, n: int, dtype: Any) -> np.ndarray:
-        """An uninitialized array of ``n`` items of ``dtype``."""
+    def empty(self, n: int, dtype: Any, tag: str = "other") -> np.ndarray:
+        """An uninitialized array of ``n`` items of ``dtype``.
+
+        ``tag`` says what the buffer is for (one of :data:`TAGS`), for
+        :meth:`usage`.
+        """
         dtype = np.dtype(dtype)
         nbytes = n * dtype.itemsize
         if self.limit <= 0 or nbytes < MIN_POOLED_BYTES or dtype.hasobject:
@@ -89,10 +98,13 @@ class HostBufferPool:
             block = np.empty(-(-nbytes // _ALIGN) * _ALIGN, dtype=np.uint8)
             with self._lock:
                 stats.bytes_fresh += block.nbytes
+        with self._lock:
+            self._in_use[tag] += block.nbytes
+            stats.bytes_in_use += block.nbytes
         # Views of ``block`` itself would collapse their base onto it, so
         # lifetime is tracked on a ctypes owner that every view keeps alive.
         owner = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
-        weakref.finalize(owner, self._returned.append, block)
+        weakref.finalize(owner, self._returned.append, (block, tag))
         self._ensure_trimmer()
         return np.frombuffer(owner, dtype=dtype, count=n)  # type: ignore[call-overload]
 
@@ -109,7 +121,9 @@ class HostBufferPool:
         now = time.monotonic()
         stats = self.statistics
         while self._returned:
-            block = self._returned.popleft()
+            block, tag = self._returned.popleft()
+            self._in_use[tag] -= block.nbytes
+            stats.bytes_in_use -= block.nbytes
             if stats.bytes_free + block.nbytes > self.limit:
                 stats.bytes_released += block.nbytes
                 continue
@@ -136,6 +150,12 @@ class HostBufferPool:
             self.statistics.bytes_free -= released
             self.statistics.bytes_released += released
         return released
+
+    def usage(self) -> dict[str, int]:
+        """Bytes of free blocks (``free``) and of blocks in use, by tag."""
+        with self._lock:
+            self._absorb_returned()
+            return {"free": self.statistics.bytes_free, **self._in_use}
 
     def _ensure_trimmer(self) -> None:
         if self._trimmer is not None or self.idle_release <= 0:

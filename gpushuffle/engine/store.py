@@ -173,7 +173,12 @@ class ShardStore:
         # One shard at a time: a receiver waits here while an earlier one
         # makes room, so the store holds at most its budget plus one shard
         # (and senders wait for the reply: back-pressure).
-        async with self._evicting:
+        self._memory.wait(shard.nbytes)
+        try:
+            await self._evicting.acquire()
+        finally:
+            self._memory.wait(-shard.nbytes)
+        try:
             with self._lock:
                 # A closed store (its run failed or was restarted after a
                 # worker left) must not take bytes that nobody will release.
@@ -185,6 +190,8 @@ class ShardStore:
             await self._make_room()
             # Closed while making room: what was put is gone with the store.
             self._raise_if_closed()
+        finally:
+            self._evicting.release()
 
     async def _make_room(self) -> None:
         for tier in (DEVICE, HOST):
@@ -316,7 +323,7 @@ class ShardStore:
         location = piece.disk
         with open(location.path, "rb") as f:
             f.seek(location.offset)
-            buffer = host_pool().empty(sum(location.lengths), np.uint8).data
+            buffer = host_pool().empty(sum(location.lengths), np.uint8, tag="read").data
             f.readinto(buffer)
         frames, offset = [], 0
         for length in location.lengths:

@@ -67,6 +67,40 @@ def _spill_files(dask_worker) -> list[str]:
     ]
 
 
+def test_each_destination_is_split_into_buffers_of_its_own():
+    """The shard sent to another worker frees its memory once dropped, even
+    while the local shard (kept in the store) lives on."""
+    from gpushuffle.backends.pandas import PandasBackend
+    from gpushuffle.engine.pool import HostBufferPool
+
+    n = 400_000
+    rng = np.random.default_rng(3)
+    df = pd.DataFrame({"a": rng.integers(0, 9, n), "b": rng.random(n)})
+    df["_partitions"] = rng.integers(0, 4, n).astype(np.int16)
+    pool = HostBufferPool(limit=1 << 30, idle_release=0)
+    backend = PandasBackend()
+    import gpushuffle.engine.pool as pool_module
+
+    saved, pool_module._POOL = pool_module._POOL, pool
+    try:
+        (local, remote), offsets = backend.split_groups(
+            df, "_partitions", np.arange(4, dtype=np.int16), 4, True, [(0, 2), (2, 4)]
+        )
+    finally:
+        pool_module._POOL = saved
+    assert len(local) == offsets[2] and len(remote) == n - offsets[2]
+    expected = df[df["_partitions"] >= 2].sort_values("_partitions", kind="stable")
+    np.testing.assert_array_equal(remote.columns[1], expected["b"].to_numpy())
+    np.testing.assert_array_equal(remote.index, expected.index)
+    in_use = pool.usage()["split"]
+    assert in_use >= 24 * n  # a, b and the index, all rows
+    del remote
+    # The remote block is back in the pool; the local one is still in use.
+    usage = pool.usage()
+    assert usage["split"] == pytest.approx(in_use * offsets[2] / n, rel=0.05)
+    assert usage["free"] == in_use - usage["split"]
+
+
 def test_budget_smaller_than_data_spills_and_stays_correct():
     pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
     with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:

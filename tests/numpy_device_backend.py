@@ -8,6 +8,7 @@ memory.  It is used by tests only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,3 +84,80 @@ class NumpyDeviceBackend(TableBackend):
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> FakeDeviceTable:
         return FakeDeviceTable(np.frombuffer(frames[0], dtype=np.int64).copy(), on_device=False)
+
+
+# -- Device memory and column operations, for the bounded assemble ------------
+# (gpushuffle.backends.columns.assemble_columns, which the cuDF backend's
+# assemble runs with pylibcudf columns).
+
+
+class DeviceMemory:
+    """Bytes of stand-in device arrays alive now, and their peak.
+
+    An array counts from :meth:`empty` until it (and every view of it) is
+    garbage collected, as an RMM allocation counts until its last owner goes.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak = 0
+
+    def empty(self, n: int, dtype: Any) -> np.ndarray:
+        array = np.empty(n, dtype)
+        self.bytes += array.nbytes
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(array, self._free, array.nbytes)
+        return array
+
+    def full(self, n: int, value: Any, dtype: Any) -> np.ndarray:
+        array = self.empty(n, dtype)
+        array[:] = value
+        return array
+
+    def _free(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+class NumpyDeviceColumns:
+    """``ColumnOps`` over numpy arrays held in a :class:`DeviceMemory`.
+
+    Object arrays stand for variable-width columns (strings): they cannot be
+    filled in place.  Numpy arrays hold no nulls.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+
+    def size(self, column: np.ndarray) -> int:
+        return len(column)
+
+    def null_count(self, column: np.ndarray) -> int:
+        return 0
+
+    def fits(self, column: np.ndarray, out: np.ndarray) -> bool:
+        return column.dtype == out.dtype
+
+    def fixed_width(self, column: np.ndarray) -> bool:
+        return not column.dtype.hasobject
+
+    def allocate(self, like: np.ndarray, nrows: int) -> np.ndarray:
+        return self.memory.empty(nrows, like.dtype)
+
+    def copy_into(self, column: np.ndarray, out: np.ndarray, position: int) -> None:
+        out[position : position + len(column)] = column
+
+    def head(self, out: np.ndarray, nrows: int) -> np.ndarray:
+        return out[:nrows]
+
+    def copy(self, column: np.ndarray) -> np.ndarray:
+        out = self.memory.empty(len(column), column.dtype)
+        out[:] = column
+        return out
+
+    def concatenate(self, columns: Sequence[np.ndarray]) -> np.ndarray:
+        dtype = np.result_type(*columns)
+        out = self.memory.empty(sum(len(c) for c in columns), dtype)
+        return np.concatenate(columns, out=out)
+
+    def finish(self, out: np.ndarray, nulls: int) -> np.ndarray:
+        return out

@@ -41,7 +41,7 @@ but, at the time of writing, never run on a GPU: see the README's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ import rmm
 from cudf.core.column import ColumnBase
 
 from gpushuffle.backends.base import TableBackend, check_frame
+from gpushuffle.backends.columns import assemble_columns
 
 _INDEX_PREFIX = "__gpushuffle_index_"
 
@@ -135,10 +136,14 @@ class CudfBackend(TableBackend):
         )
 
     def assemble(self, tables: Iterable[Any], nrows: int, meta: Any, keep_index: bool) -> Any:
-        pieces = [t.table for t in tables if t.nrows]
-        assert all(p is not None for p in pieces), "pieces must be on the device"
-        whole = pieces[0] if len(pieces) == 1 else plc.concatenate.concatenate(pieces)
-        return self._frame(whole, meta, keep_index)
+        # Each fixed-width output column is allocated once and every piece
+        # copied into it as the store brings it up, so the device holds the
+        # output plus one piece (plus copies of variable-width columns),
+        # not all pieces and their concatenation at once.
+        columns = assemble_columns(_device_columns(tables), nrows, _PlcColumns())
+        if columns is None:
+            return self.empty(meta)
+        return self._frame(plc.Table(columns), meta, keep_index)
 
     def _frame(self, table: plc.Table, meta: Any, keep_index: bool) -> Any:
         columns = table.columns()
@@ -206,6 +211,59 @@ class CudfBackend(TableBackend):
         else:
             buffer = rmm.DeviceBuffer.to_device(memoryview(data).cast("B"))
         return _unpack(header["nrows"], header["nbytes"], bytes(metadata), buffer)
+
+
+def _device_columns(tables: Iterable[CudfTable]) -> Iterator[Sequence[plc.Column]]:
+    """Each non-empty table's columns, holding no table while the next is brought up."""
+    for table in tables:
+        if not table.nrows:
+            continue
+        assert table.table is not None, "pieces must be on the device"
+        columns = table.table.columns()
+        del table
+        yield columns
+        del columns
+
+
+class _PlcColumns:
+    """:class:`~gpushuffle.backends.columns.ColumnOps` for pylibcudf columns."""
+
+    def size(self, column: plc.Column) -> int:
+        return column.size()
+
+    def null_count(self, column: plc.Column) -> int:
+        return column.null_count()
+
+    def fits(self, column: plc.Column, out: plc.Column) -> bool:
+        return column.type() == out.type()
+
+    def fixed_width(self, column: plc.Column) -> bool:
+        return plc.traits.is_fixed_width(column.type())
+
+    def allocate(self, like: plc.Column, nrows: int) -> plc.Column:
+        # An initialized (all valid) mask: copy_range_in_place updates the
+        # null count from the bits it overwrites, and pieces without a mask
+        # are copied as valid.  finish() drops the mask if nothing is null.
+        return plc.column_factories.make_fixed_width_column(
+            like.type(), nrows, plc.types.MaskState.ALL_VALID
+        )
+
+    def copy_into(self, column: plc.Column, out: plc.Column, position: int) -> None:
+        plc.copying.copy_range_in_place(column, out, 0, column.size(), position)
+
+    def head(self, out: plc.Column, nrows: int) -> plc.Column:
+        return plc.copying.slice(out, [0, nrows])[0]
+
+    def copy(self, column: plc.Column) -> plc.Column:
+        return column.copy()
+
+    def concatenate(self, columns: Sequence[plc.Column]) -> plc.Column:
+        return plc.concatenate.concatenate(list(columns))
+
+    def finish(self, out: plc.Column, nulls: int) -> plc.Column:
+        if not nulls:
+            return out.with_mask(None, 0)
+        return out.with_mask(out.null_mask(), nulls)
 
 
 def _unpack(nrows: int, nbytes: int, metadata: bytes, device: Any) -> CudfTable:

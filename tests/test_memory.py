@@ -101,6 +101,42 @@ def test_each_destination_is_split_into_buffers_of_its_own():
     assert usage["free"] == in_use - usage["split"]
 
 
+def _rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_period():
+    from gpushuffle.engine.pool import HostBufferPool
+
+    pool = HostBufferPool(limit=1 << 30, idle_release=0.3)
+    pool.hold()  # a shuffle runs
+    block = pool.empty(64 << 20, np.uint8)
+    block[:] = 1  # faulted in: 64 MiB more RSS
+    del block
+    time.sleep(0.2)
+    assert pool.usage()["free"] >= 64 << 20
+    again = pool.empty(60 << 20, np.uint8)  # the next split or unpack reuses it
+    assert pool.statistics.reused == 1
+    del again
+    pool.unhold()  # the shuffle ended: its blocks stay for the grace period ...
+    time.sleep(0.1)
+    pool.hold()  # ... and a shuffle that follows closely still reuses them
+    again = pool.empty(60 << 20, np.uint8)
+    assert pool.statistics.reused == 2
+    del again
+    before = _rss_now()
+    pool.unhold()
+    deadline = time.monotonic() + 5
+    while pool.usage()["free"]:  # ... until nothing ran for idle_release
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # Unmapped: the memory left the process, whatever malloc's settings.
+    assert _rss_now() < before - (48 << 20)
+    assert pool.statistics.idle_releases >= 1
+
+
 def test_budget_smaller_than_data_spills_and_stays_correct():
     pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
     with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:

@@ -1,27 +1,40 @@
-"""A pool of reusable host buffers.
+"""A pool of reusable host buffers, given back to the OS when shuffles stop.
 
-Fresh host memory is expensive: a worker started by a Nanny returns freed
-memory to the OS (``MALLOC_TRIM_THRESHOLD_``), so every large allocation is
-faulted in again, page by page, and on a fragmented machine that costs far
-more than the copy that fills it.  Splits and unpacks allocate their column
-buffers here instead.  A buffer returns to the pool when the last array
-viewing it is garbage collected, wherever that happens (after a shard was
-sent, after an output partition was consumed), and is handed out again to
-the next request of a similar size.
+Fresh host memory is expensive: the kernel zeroes every page on first touch,
+and a worker started by a Nanny hands freed memory straight back to the OS
+(``MALLOC_TRIM_THRESHOLD_``), so every large allocation pays that again.
+Splits, unpacks and reads from disk allocate their buffers here instead.  A
+buffer returns to the pool when the last array viewing it is garbage
+collected, wherever that happens (after a shard was sent, after an output
+partition was consumed), and is handed out again to the next request of a
+similar size.
 
-Free buffers are bounded (``gpushuffle.memory.host-pool.limit``) and given
-back to the OS after ``gpushuffle.memory.host-pool.idle-release`` unused.
+Blocks are anonymous private mappings of their own (``mmap``), advised to
+use transparent huge pages: faulting them in costs about a fifth of what
+4 KiB pages cost, and releasing one unmaps it, so the memory really leaves
+the process whatever the allocator's settings (glibc keeps freed heap
+memory, and per-thread arenas are trimmed only by ``malloc_trim``).
+
+Free blocks are bounded (``gpushuffle.memory.host-pool.limit``) and
+unmapped when unused for ``gpushuffle.memory.host-pool.idle-release``; once
+no shuffle has run on the worker (:meth:`HostBufferPool.hold`) for that
+long, every free block goes and malloc is trimmed, so a worker returns to
+the memory it had before the shuffle, while shuffles that follow each other
+closely still reuse the blocks.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import mmap
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +43,11 @@ import numpy as np
 MIN_POOLED_BYTES = 1 << 20
 #: A free buffer serves requests down to 1 / SLACK of its size.
 SLACK = 1.25
-_ALIGN = 1 << 16
+_PAGE = 1 << 16
+_HUGE = 1 << 21
+#: Blocks at least this large are rounded to whole huge pages: the kernel
+#: then aligns the mapping so that every page of it can be a huge page.
+_HUGE_ROUND_FROM = 8 << 20
 
 #: What a buffer is for; :meth:`HostBufferPool.usage` reports bytes in use by tag.
 TAGS = ("split", "unpack", "read", "other")
@@ -46,9 +63,43 @@ class PoolStatistics:
     bytes_free: int = 0
     bytes_free_peak: int = 0
     bytes_in_use: int = 0
+    #: Times every free block went back to the OS because no shuffle ran.
+    idle_releases: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+def _map(nbytes: int) -> mmap.mmap:
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # Where transparent huge pages are "madvise" (the usual default),
+        # only advised mappings get them.
+        with contextlib.suppress(OSError):
+            block.madvise(mmap.MADV_HUGEPAGE)
+    return block
+
+
+def _unmap(block: mmap.mmap) -> bool:
+    try:
+        block.close()
+    except BufferError:  # pragma: no cover - a view escaped; the GC unmaps it later
+        return False
+    return True
+
+
+def malloc_trim() -> None:
+    """Return the C allocator's free memory to the OS (glibc only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@dataclass
+class _Activity:
+    """Shuffles running on this process, and when the last one stopped."""
+
+    active: int = 0
+    since: float = field(default_factory=time.monotonic)
 
 
 class HostBufferPool:
@@ -59,7 +110,10 @@ class HostBufferPool:
     limit
         Most bytes of free blocks kept; 0 disables pooling.
     idle_release
-        Seconds a free block may stay unused before it is released.
+        Seconds a free block may stay unused, and seconds after the last
+        shuffle on the worker stopped (see :meth:`hold`) before every free
+        block is unmapped and malloc is trimmed; 0 leaves that to explicit
+        :meth:`release_idle` calls.
     """
 
     def __init__(self, limit: int, idle_release: float) -> None:
@@ -68,13 +122,17 @@ class HostBufferPool:
         self._lock = threading.Lock()
         # Free blocks sorted by size, with the time each was returned.
         self._sizes: list[int] = []
-        self._blocks: list[tuple[np.ndarray, float]] = []
+        self._blocks: list[tuple[mmap.mmap, float]] = []
         # Finalizers may run in any thread, even inside a pool call of the
         # same thread (a garbage collection): they only append here.
-        self._returned: deque[tuple[np.ndarray, str]] = deque()
+        self._returned: deque[tuple[mmap.mmap, str]] = deque()
         self._in_use = dict.fromkeys(TAGS, 0)
+        self._activity = _Activity()
+        self._idle_released = True  # nothing to release yet
         self.statistics = PoolStatistics()
         self._trimmer: threading.Thread | None = None
+
+    # -- handing out ----------------------------------------------------------
 
     def empty(self, n: int, dtype: Any, tag: str = "other") -> np.ndarray:
         """An uninitialized array of ``n`` items of ``dtype``.
@@ -93,69 +151,114 @@ class HostBufferPool:
             block = self._take(nbytes)
             if block is not None:
                 stats.reused += 1
-                stats.bytes_reused += block.nbytes
+                stats.bytes_reused += len(block)
         if block is None:
-            block = np.empty(-(-nbytes // _ALIGN) * _ALIGN, dtype=np.uint8)
+            rounding = _HUGE if nbytes >= _HUGE_ROUND_FROM else _PAGE
+            block = _map(-(-nbytes // rounding) * rounding)
             with self._lock:
-                stats.bytes_fresh += block.nbytes
+                stats.bytes_fresh += len(block)
         with self._lock:
-            self._in_use[tag] += block.nbytes
-            stats.bytes_in_use += block.nbytes
-        # Views of ``block`` itself would collapse their base onto it, so
-        # lifetime is tracked on a ctypes owner that every view keeps alive.
-        owner = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
+            self._in_use[tag] += len(block)
+            stats.bytes_in_use += len(block)
+            self._idle_released = False
+        # Lifetime is tracked on a ctypes owner that every view keeps alive
+        # (views of views collapse their base onto it).
+        owner = (ctypes.c_char * len(block)).from_buffer(block)
         weakref.finalize(owner, self._returned.append, (block, tag))
         self._ensure_trimmer()
         return np.frombuffer(owner, dtype=dtype, count=n)  # type: ignore[call-overload]
 
-    def _take(self, nbytes: int) -> np.ndarray | None:
+    def _take(self, nbytes: int) -> mmap.mmap | None:
         i = bisect.bisect_left(self._sizes, nbytes)
         if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK:
             return None
         del self._sizes[i]
         block, _ = self._blocks.pop(i)
-        self.statistics.bytes_free -= block.nbytes
+        self.statistics.bytes_free -= len(block)
         return block
 
     def _absorb_returned(self) -> None:
-        now = time.monotonic()
         stats = self.statistics
+        now = time.monotonic()
         while self._returned:
             block, tag = self._returned.popleft()
-            self._in_use[tag] -= block.nbytes
-            stats.bytes_in_use -= block.nbytes
-            if stats.bytes_free + block.nbytes > self.limit:
-                stats.bytes_released += block.nbytes
+            size = len(block)
+            self._in_use[tag] -= size
+            stats.bytes_in_use -= size
+            if stats.bytes_free + size > self.limit and _unmap(block):
+                stats.bytes_released += size
                 continue
-            i = bisect.bisect_left(self._sizes, block.nbytes)
-            self._sizes.insert(i, block.nbytes)
+            i = bisect.bisect_left(self._sizes, size)
+            self._sizes.insert(i, size)
             self._blocks.insert(i, (block, now))
-            stats.bytes_free += block.nbytes
+            stats.bytes_free += size
             stats.bytes_free_peak = max(stats.bytes_free_peak, stats.bytes_free)
 
+    # -- giving back ----------------------------------------------------------
+
     def release_idle(self, older_than: float | None = None) -> int:
-        """Release free blocks unused for ``older_than`` seconds (all if 0)."""
+        """Unmap free blocks unused for ``older_than`` seconds; all of them
+        once no shuffle has run on the worker for that long.
+
+        ``older_than`` defaults to ``idle_release``; 0 releases every free
+        block now.  Returns the bytes unmapped.
+        """
         older_than = self.idle_release if older_than is None else older_than
         with self._lock:
             self._absorb_returned()
-            cutoff = time.monotonic() - older_than
-            keep = [
-                (s, b)
-                for s, b in zip(self._sizes, self._blocks, strict=True)
-                if older_than > 0 and b[1] > cutoff
-            ]
-            released = self.statistics.bytes_free - sum(s for s, _ in keep)
-            self._sizes = [s for s, _ in keep]
-            self._blocks = [b for _, b in keep]
+            now = time.monotonic()
+            quiet = not self._activity.active and now - self._activity.since >= older_than
+            released = 0
+            keep_sizes, keep_blocks = [], []
+            for size, (block, returned) in zip(self._sizes, self._blocks, strict=True):
+                if (quiet or now - returned >= older_than) and _unmap(block):
+                    released += size
+                else:
+                    keep_sizes.append(size)
+                    keep_blocks.append((block, returned))
+            self._sizes, self._blocks = keep_sizes, keep_blocks
             self.statistics.bytes_free -= released
             self.statistics.bytes_released += released
+            trim = released > 0 or (quiet and not self._idle_released)
+            if quiet:
+                self._idle_released = True
+        if trim:
+            # Memory the C allocator holds (received messages, pickles,
+            # pandas internals) goes back too.
+            malloc_trim()
+            self.statistics.idle_releases += 1
         return released
+
+    # -- shuffles running -----------------------------------------------------
+
+    def hold(self) -> None:
+        """A shuffle started on this worker: keep free blocks for it."""
+        with self._lock:
+            self._activity.active += 1
+            self._activity.since = time.monotonic()
+        self._ensure_trimmer()
+
+    def unhold(self) -> None:
+        """A shuffle ended; after ``idle_release`` without one, free blocks go."""
+        with self._lock:
+            self._activity.active = max(0, self._activity.active - 1)
+            self._activity.since = time.monotonic()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.unhold()
 
     def usage(self) -> dict[str, int]:
         """Bytes of free blocks (``free``) and of blocks in use, by tag."""
         with self._lock:
             self._absorb_returned()
             return {"free": self.statistics.bytes_free, **self._in_use}
+
+    # -- background release -------------------------------------------------
 
     def _ensure_trimmer(self) -> None:
         if self._trimmer is not None or self.idle_release <= 0:
@@ -170,7 +273,7 @@ class HostBufferPool:
 
     def _trim_forever(self) -> None:
         while True:
-            time.sleep(max(self.idle_release / 4, 0.05))
+            time.sleep(min(max(self.idle_release / 4, 0.05), 0.5))
             self.release_idle()
 
 
@@ -196,10 +299,6 @@ def _make_pool() -> HostBufferPool:
     total = config.worker_memory_limit()
     limit = config.parse_budget(
         config.get("memory.host-pool.limit"), total, "memory.host-pool.limit"
-    )
-    # Free buffers are memory too: never keep more than the store may hold.
-    limit = min(
-        limit, config.parse_budget(config.get("memory.host-limit"), total, "memory.host-limit")
     )
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(limit=limit, idle_release=idle or 0)

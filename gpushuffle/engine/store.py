@@ -142,6 +142,9 @@ class ShardStore:
         self._evicting = asyncio.Lock()
         self._closed = False
         self.statistics = StoreStatistics()
+        # Free pool blocks stay while a run is open, for its next split or
+        # unpack; the last run closing starts the pool's countdown to release.
+        host_pool().hold()
 
     # -- receiving (event loop) --------------------------------------------
 
@@ -396,6 +399,7 @@ class ShardStore:
                 group.pieces.clear()
             self._groups.clear()
             self._pieces.clear()
+        host_pool().unhold()
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def _raise_if_closed(self) -> None:

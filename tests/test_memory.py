@@ -282,6 +282,49 @@ def test_footprint_returns_after_the_shuffle():
             assert rss <= before[worker] * 1.10, (worker, before[worker], rss)
 
 
+def _raw_rss(dask_worker=None) -> int:
+    """RSS as a user sees it: no garbage collection or malloc_trim first."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_five_seconds_after_a_shuffle_every_worker_is_back_within_64_mib():
+    """Issue 12, at default settings on a real cluster (Nanny-started workers):
+    what a shuffle allocated (pooled blocks, received messages, spill files)
+    leaves the workers within seconds, while a shuffle right after reuses it.
+    """
+    n = 8_000_000  # 256 MB
+    rng = np.random.default_rng(7)
+    pdf = pd.DataFrame(
+        {
+            "key": rng.integers(0, 10**6, n),
+            "a": rng.random(n),
+            "b": rng.random(n),
+            "c": np.arange(n),
+        }
+    )
+    with cluster_with({}) as client:
+        df = dd.from_pandas(pdf, npartitions=16, sort=False).persist()
+        wait(df)
+        shuffled = df.shuffle("key", shuffle_method="gpushuffle").map_partitions(len)
+        # A small shuffle first, for imports and other first-time state.
+        small = dd.from_pandas(pdf.iloc[:1000], npartitions=2, sort=False)
+        assert len(small.shuffle("key", shuffle_method="gpushuffle")) == 1000
+        del pdf
+        time.sleep(5)
+        before = client.run(_raw_rss)
+        assert shuffled.compute().sum() == n
+        assert shuffled.compute().sum() == n  # right after: the pool is reused
+        assert gpushuffle.statistics(client)["host_pool_reused"].sum() > 0
+        assert_nothing_left_behind(client)
+        time.sleep(5)
+        after = client.run(_raw_rss)
+        for worker, rss in after.items():
+            grown = rss - before[worker]
+            assert grown < 64 << 20, (worker, before[worker] >> 20, rss >> 20)
+
+
 def test_shards_cut_into_small_messages_keep_every_row_in_order():
     pdf = big_frame(300_000)
     settings = {

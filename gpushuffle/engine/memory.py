@@ -58,6 +58,16 @@ class WorkerMemory:
     waiting: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    #: The host limit is ``auto`` (:func:`auto_host_limit`), sized anew when a
+    #: run starts on a worker where no other run holds host memory.
+    auto_host: bool = False
+
+    def start_run(self) -> None:
+        """A run starts: size an ``auto`` host limit from what the worker has free now."""
+        with self._lock:
+            if self.auto_host and self.host.bytes == 0:
+                self.host.limit = auto_host_limit(self.disk_enabled)
+
     def tier(self, name: str) -> TierUsage:
         return {DEVICE: self.device, HOST: self.host, DISK: self.disk}[name]
 
@@ -121,10 +131,45 @@ def reset_worker_memory() -> None:
         _MEMORY = None
 
 
+#: The most host memory an ``auto`` budget gives received shards, per worker:
+#: about what ``p2p`` buffers in memory at its peak, so that a shuffle's
+#: footprint stays at or below p2p's while the rest goes to disk.
+AUTO_HOST_LIMIT_MAX = 256 << 20
+
+
+def auto_host_limit(disk_enabled: bool = True) -> int:
+    """The ``auto`` host budget: half of what this worker has free, at most 256 MiB.
+
+    *Free* is what the process may still grow before distributed starts
+    spilling the worker's own data (``distributed.worker.memory.spill``, or
+    the pause or terminate threshold if spilling is off) times its memory
+    limit, minus its RSS now.  Received shards beyond the budget go to disk;
+    with disk off there is nowhere to go, so the 256 MiB cap does not apply
+    (it would only turn a shuffle that fits into an error).
+    """
+    import dask.config
+    import psutil
+
+    from gpushuffle import config
+
+    threshold = 1.0
+    for key in ("spill", "pause", "terminate"):
+        value = dask.config.get(f"distributed.worker.memory.{key}", default=False)
+        if value:
+            threshold = float(value)
+            break
+    rss = psutil.Process().memory_info().rss
+    free = max(0, int(threshold * config.worker_memory_limit()) - rss)
+    return free // 2 if not disk_enabled else min(AUTO_HOST_LIMIT_MAX, free // 2)
+
+
 def _from_config() -> WorkerMemory:
     from gpushuffle import config
 
     host_total = config.worker_memory_limit()
+    host_limit = config.get("memory.host-limit")
+    auto = host_limit == "auto"
+    disk_enabled = bool(config.get("storage.disk"))
     device_total = config.device_memory_total()
     device_limit = config.get("memory.device-limit")
     if device_total is None and isinstance(device_limit, float):
@@ -137,12 +182,13 @@ def _from_config() -> WorkerMemory:
             else config.parse_budget(device_limit, device_total, "memory.device-limit")
         ),
         host=TierUsage(
-            limit=config.parse_budget(
-                config.get("memory.host-limit"), host_total, "memory.host-limit"
-            )
+            limit=auto_host_limit(disk_enabled)
+            if auto
+            else config.parse_budget(host_limit, host_total, "memory.host-limit")
         ),
         disk=TierUsage(limit=None),
-        disk_enabled=bool(config.get("storage.disk")),
+        disk_enabled=disk_enabled,
+        auto_host=auto,
     )
 
 

@@ -295,10 +295,19 @@ def _make_pool() -> HostBufferPool:
     from dask.utils import parse_timedelta
 
     from gpushuffle import config
+    from gpushuffle.engine.memory import auto_host_limit
 
     total = config.worker_memory_limit()
     limit = config.parse_budget(
         config.get("memory.host-pool.limit"), total, "memory.host-pool.limit"
     )
+    # Free blocks are memory too: never keep more than the store may hold.
+    host_limit = config.get("memory.host-limit")
+    budget = (
+        auto_host_limit(bool(config.get("storage.disk")))
+        if host_limit == "auto"
+        else config.parse_budget(host_limit, total, "memory.host-limit")
+    )
+    limit = min(limit, budget)
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(limit=limit, idle_release=idle or 0)

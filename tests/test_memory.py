@@ -110,15 +110,18 @@ def _rss_now() -> int:
 def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_period():
     from gpushuffle.engine.pool import HostBufferPool
 
-    pool = HostBufferPool(limit=1 << 30, idle_release=0.3)
+    pool = HostBufferPool(limit=1 << 30, idle_release=1.0)
     pool.hold()  # a shuffle runs
     block = pool.empty(64 << 20, np.uint8)
     block[:] = 1  # faulted in: 64 MiB more RSS
-    del block
-    time.sleep(0.2)
-    assert pool.usage()["free"] >= 64 << 20
+    odd = pool.empty(8 << 20, np.uint8)  # a size nothing asks for again
+    del block, odd
+    time.sleep(0.05)
+    assert pool.usage()["free"] >= 72 << 20
     again = pool.empty(60 << 20, np.uint8)  # the next split or unpack reuses it
     assert pool.statistics.reused == 1
+    time.sleep(0.6)  # unused for a quarter of idle_release while a shuffle runs: unmapped
+    assert pool.usage()["free"] == 0
     del again
     pool.unhold()  # the shuffle ended: its blocks stay for the grace period ...
     time.sleep(0.1)

@@ -15,12 +15,13 @@ use transparent huge pages: faulting them in costs about a fifth of what
 the process whatever the allocator's settings (glibc keeps freed heap
 memory, and per-thread arenas are trimmed only by ``malloc_trim``).
 
-Free blocks are bounded (``gpushuffle.memory.host-pool.limit``) and
-unmapped when unused for ``gpushuffle.memory.host-pool.idle-release``; once
-no shuffle has run on the worker (:meth:`HostBufferPool.hold`) for that
-long, every free block goes and malloc is trimmed, so a worker returns to
-the memory it had before the shuffle, while shuffles that follow each other
-closely still reuse the blocks.
+Free blocks are bounded (``gpushuffle.memory.host-pool.limit``).  While a
+shuffle runs (:meth:`HostBufferPool.hold`), a block unused for a quarter of
+``gpushuffle.memory.host-pool.idle-release`` is unmapped: no request of its
+size is coming.  Once no shuffle has run on the worker for the whole
+``idle-release``, every free block goes and malloc is trimmed, so a worker
+returns to the memory it had before the shuffle, while shuffles that follow
+each other closely still reuse the blocks.
 """
 
 from __future__ import annotations
@@ -197,8 +198,9 @@ class HostBufferPool:
     # -- giving back ----------------------------------------------------------
 
     def release_idle(self, older_than: float | None = None) -> int:
-        """Unmap free blocks unused for ``older_than`` seconds; all of them
-        once no shuffle has run on the worker for that long.
+        """Unmap free blocks unused for ``older_than`` seconds (a quarter of
+        that while shuffles run); all of them once no shuffle has run on the
+        worker for that long.
 
         ``older_than`` defaults to ``idle_release``; 0 releases every free
         block now.  Returns the bytes unmapped.
@@ -207,11 +209,17 @@ class HostBufferPool:
         with self._lock:
             self._absorb_returned()
             now = time.monotonic()
-            quiet = not self._activity.active and now - self._activity.since >= older_than
+            active, since = self._activity.active, self._activity.since
+            quiet = not active and now - since >= older_than
+            # While shuffles run, a block nobody took for a quarter of the
+            # grace period is of a size no request has (split buffers once
+            # the transfer is over, say): it would only add to the peak.
+            unused = older_than / 4 if active else older_than
             released = 0
             keep_sizes, keep_blocks = [], []
             for size, (block, returned) in zip(self._sizes, self._blocks, strict=True):
-                if (quiet or now - returned >= older_than) and _unmap(block):
+                stale = now - max(returned, since) >= unused
+                if (quiet or stale) and _unmap(block):
                     released += size
                 else:
                     keep_sizes.append(size)

@@ -120,7 +120,7 @@ def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_pe
     assert pool.usage()["free"] >= 72 << 20
     again = pool.empty(60 << 20, np.uint8)  # the next split or unpack reuses it
     assert pool.statistics.reused == 1
-    time.sleep(0.6)  # unused for a quarter of idle_release while a shuffle runs: unmapped
+    time.sleep(0.6)  # unused for an eighth of idle_release while a shuffle runs: unmapped
     assert pool.usage()["free"] == 0
     del again
     pool.unhold()  # the shuffle ended: its blocks stay for the grace period ...

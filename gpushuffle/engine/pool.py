@@ -16,7 +16,7 @@ the process whatever the allocator's settings (glibc keeps freed heap
 memory, and per-thread arenas are trimmed only by ``malloc_trim``).
 
 Free blocks are bounded (``gpushuffle.memory.host-pool.limit``).  While a
-shuffle runs (:meth:`HostBufferPool.hold`), a block unused for a quarter of
+shuffle runs (:meth:`HostBufferPool.hold`), a block unused for an eighth of
 ``gpushuffle.memory.host-pool.idle-release`` is unmapped: no request of its
 size is coming.  Once no shuffle has run on the worker for the whole
 ``idle-release``, every free block goes and malloc is trimmed, so a worker
@@ -198,7 +198,7 @@ class HostBufferPool:
     # -- giving back ----------------------------------------------------------
 
     def release_idle(self, older_than: float | None = None) -> int:
-        """Unmap free blocks unused for ``older_than`` seconds (a quarter of
+        """Unmap free blocks unused for ``older_than`` seconds (an eighth of
         that while shuffles run); all of them once no shuffle has run on the
         worker for that long.
 
@@ -211,10 +211,10 @@ class HostBufferPool:
             now = time.monotonic()
             active, since = self._activity.active, self._activity.since
             quiet = not active and now - since >= older_than
-            # While shuffles run, a block nobody took for a quarter of the
+            # While shuffles run, a block nobody took for an eighth of the
             # grace period is of a size no request has (split buffers once
             # the transfer is over, say): it would only add to the peak.
-            unused = older_than / 4 if active else older_than
+            unused = older_than / 8 if active else older_than
             released = 0
             keep_sizes, keep_blocks = [], []
             for size, (block, returned) in zip(self._sizes, self._blocks, strict=True):
@@ -281,7 +281,7 @@ class HostBufferPool:
 
     def _trim_forever(self) -> None:
         while True:
-            time.sleep(min(max(self.idle_release / 4, 0.05), 0.5))
+            time.sleep(min(max(self.idle_release / 16, 0.02), 0.1))
             self.release_idle()
 
 

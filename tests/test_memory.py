@@ -140,6 +140,37 @@ def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_pe
     assert pool.statistics.idle_releases >= 1
 
 
+def test_auto_host_budget_is_half_of_what_the_worker_has_free_at_most_256_mib(monkeypatch):
+    import psutil
+
+    from gpushuffle import config
+    from gpushuffle.engine.memory import TierUsage, WorkerMemory, auto_host_limit
+
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: 100 << 30)
+    assert auto_host_limit() == 256 << 20
+    # Without disk, received shards have nowhere else to go: no cap.
+    assert auto_host_limit(disk_enabled=False) > 10 << 30
+    # Free: what the worker may grow before distributed spills its data
+    # (distributed.worker.memory.spill, 0.7, of its limit), minus its RSS.
+    rss = psutil.Process().memory_info().rss
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: int((rss + (100 << 20)) / 0.7))
+    assert auto_host_limit() == pytest.approx(50 << 20, abs=8 << 20)
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: rss)  # nothing free
+    assert auto_host_limit() == 0
+
+    memory = WorkerMemory(
+        device=TierUsage(None), host=TierUsage(1), disk=TierUsage(None), disk_enabled=True
+    )
+    memory.auto_host = True
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: 100 << 30)
+    memory.start_run()  # sized when a run starts on an idle worker ...
+    assert memory.host.limit == 256 << 20
+    memory.host.limit = 1
+    memory.charge("host", 10)
+    memory.start_run()  # ... not while another run holds memory
+    assert memory.host.limit == 1
+
+
 def test_budget_smaller_than_data_spills_and_stays_correct():
     pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
     with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
@@ -319,7 +350,9 @@ def test_five_seconds_after_a_shuffle_every_worker_is_back_within_64_mib():
         before = client.run(_raw_rss)
         assert shuffled.compute().sum() == n
         assert shuffled.compute().sum() == n  # right after: the pool is reused
-        assert gpushuffle.statistics(client)["host_pool_reused"].sum() > 0
+        stats = gpushuffle.statistics(client)
+        assert (stats["host_pool_reused"] > 0).all()
+        assert (stats["host_limit"] <= 256 << 20).all()  # the "auto" default
         assert_nothing_left_behind(client)
         time.sleep(5)
         after = client.run(_raw_rss)

@@ -42,8 +42,11 @@ import numpy as np
 
 #: Smaller requests are left to the allocator: they are cheap and many.
 MIN_POOLED_BYTES = 1 << 20
-#: A free buffer serves requests down to 1 / SLACK of its size.
+#: A free buffer serves requests down to about 1 / (SLACK * HEADROOM) of its size.
 SLACK = 1.25
+#: Fresh blocks are mapped this much larger than asked (only touched pages
+#: become memory), so that requests of about the same size reuse them.
+HEADROOM = 1.125
 _PAGE = 1 << 16
 _HUGE = 1 << 21
 #: Blocks at least this large are rounded to whole huge pages: the kernel
@@ -154,10 +157,15 @@ class HostBufferPool:
                 stats.reused += 1
                 stats.bytes_reused += len(block)
         if block is None:
-            rounding = _HUGE if nbytes >= _HUGE_ROUND_FROM else _PAGE
-            block = _map(-(-nbytes // rounding) * rounding)
+            # Mapped with headroom: pages never touched cost no memory, and
+            # the next request a little larger (the next output partition,
+            # the next shard) can still take this block instead of a fresh one.
+            size = int(nbytes * HEADROOM)
+            rounding = _HUGE if size >= _HUGE_ROUND_FROM else _PAGE
+            block = _map(-(-size // rounding) * rounding)
             with self._lock:
-                stats.bytes_fresh += len(block)
+                # What was asked for: the headroom is address space only.
+                stats.bytes_fresh += nbytes
         with self._lock:
             self._in_use[tag] += len(block)
             stats.bytes_in_use += len(block)
@@ -171,7 +179,7 @@ class HostBufferPool:
 
     def _take(self, nbytes: int) -> mmap.mmap | None:
         i = bisect.bisect_left(self._sizes, nbytes)
-        if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK:
+        if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK * HEADROOM + _HUGE:
             return None
         del self._sizes[i]
         block, _ = self._blocks.pop(i)

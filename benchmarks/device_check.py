@@ -2,10 +2,13 @@
 
 Drives gpushuffle's real ShardStore with a backend whose tables are cupy
 arrays (a stand-in for cuDF's device buffers): shards are charged to the
-device tier, moved device -> host (into pinned host memory) and host -> disk
-when over budget, and brought back up on read, in input order.  Prints the
+device tier, moved device -> host (into pageable host memory, as the cuDF
+backend's ``ChunkedPack.pack_to_host`` does) and host -> disk when over
+budget, and brought back up on read, in input order; as with cuDF, a table
+read back from disk is deserialized straight onto the device.  Prints the
 throughput of those moves next to the raw copy bandwidths measured in the
-same run (device to device, device to pinned host, pinned host to device).
+same run (device to device, device to pageable and to pinned host memory,
+and back).
 
     python -m benchmarks.device_check [--mib 512]
 
@@ -44,7 +47,7 @@ class CupyTable:
 
 
 class CupyBackend(TableBackend):
-    """Device tables as cupy int64 arrays; host copies in pinned memory."""
+    """Device tables as cupy int64 arrays; host copies in pageable memory."""
 
     name = "cupy-device-check"
     tier = "device"
@@ -80,9 +83,7 @@ class CupyBackend(TableBackend):
         return len(table)
 
     def to_host(self, table: CupyTable) -> CupyTable:
-        host = empty_pinned(table.device.shape, dtype=table.device.dtype)
-        table.device.get(out=host)
-        return CupyTable(host=host)
+        return CupyTable(host=table.device.get())
 
     def to_device(self, table: CupyTable) -> CupyTable:
         return CupyTable(device=cupy.asarray(table.host))
@@ -91,18 +92,22 @@ class CupyBackend(TableBackend):
         return {}, [memoryview(np.ascontiguousarray(table.host)).cast("B")]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> CupyTable:
-        return CupyTable(host=np.frombuffer(frames[0], dtype=np.int64))
+        # Like the cuDF backend: frames come back as a device table.
+        return CupyTable(device=cupy.asarray(np.frombuffer(frames[0], dtype=np.int64)))
 
 
 def bandwidth(nbytes: int) -> dict[str, float]:
     device = cupy.arange(nbytes // 8, dtype=cupy.int64)
     other = cupy.empty_like(device)
     host = empty_pinned(device.shape, dtype=np.int64)
+    pageable = np.empty(device.shape, dtype=np.int64)
     result = {}
     for name, run in {
         "device_to_device": lambda: other.__setitem__(slice(None), device),
         "device_to_host_pinned": lambda: device.get(out=host),
         "host_pinned_to_device": lambda: other.set(host),
+        "device_to_host_pageable": lambda: device.get(out=pageable),
+        "host_pageable_to_device": lambda: other.set(pageable),
     }.items():
         run()
         cupy.cuda.Device().synchronize()

@@ -2,8 +2,19 @@
 # For GPU CI runners: install the GPU and UCX extras and run the GPU tests
 # (cuDF backend, LocalCUDACluster over UCX).  They skip, naming the reason,
 # where no CUDA allocation succeeds.
+#   PYTHON      the interpreter for .venv-gpu (default python3, 3.11 or newer)
+#   GPU_EXTRAS  the extras to install (default: gpu-cu13,ucx-cu13 where nvidia-smi
+#               shows a CUDA 13 driver, else gpu,ucx, the CUDA 12 wheels)
+# For the whole set of GPU checks with results in one folder, see ci/gpu_run.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3.11 -m venv .venv-gpu
-.venv-gpu/bin/pip install -q -e '.[gpu,ucx,test]'
+extras=${GPU_EXTRAS:-}
+if [ -z "$extras" ]; then
+    smi=$(nvidia-smi 2>/dev/null || true)
+    cuda=12
+    [[ $smi =~ CUDA\ Version:\ *([0-9]+) ]] && cuda=${BASH_REMATCH[1]}
+    if [ "$cuda" -ge 13 ]; then extras=gpu-cu13,ucx-cu13; else extras=gpu,ucx; fi
+fi
+"${PYTHON:-python3}" -m venv .venv-gpu
+.venv-gpu/bin/pip install -q -e ".[$extras,test]"
 .venv-gpu/bin/python -m pytest -m gpu -rs "$@"

@@ -6,16 +6,32 @@ shuffle lowering.  Neither is public API, so every such import lives here: a
 distributed or dask upgrade that moves them touches this file only.
 
 Checked against dask and distributed 2026.7.1 and 2026.8.0, whose
-``distributed/shuffle/`` and ``dask_expr/_shuffle.py`` are identical.
+``distributed/shuffle/`` and ``dask_expr/_shuffle.py`` are identical.  The join
+hook also uses
+``dask_expr/_merge.py`` (``Merge._lower``, ``HashJoinP2P``, ``BroadcastJoin``)
+and ``dask/dataframe/multi.py`` (``merge_chunk``), also identical in both.
 """
 
 from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
+from dask.dataframe.dask_expr._merge import (
+    BlockwiseMerge,
+    BroadcastJoin,
+    HashJoinP2P,
+    Merge,
+)
 from dask.dataframe.dask_expr._shuffle import (
+    RearrangeByColumn,
     Shuffle,
     SimpleShuffle,
+    _contains_index_name,
+    _is_numeric_cast_type,
+    _select_columns_or_index,
 )
+from dask.dataframe.multi import merge_chunk
+from dask.dataframe.shuffle import partitioning_index
+from dask.tokenize import _tokenize_deterministic
 from dask.utils import get_default_shuffle_method
 from distributed.shuffle._core import (
     P2PBarrierTask,
@@ -34,9 +50,14 @@ from distributed.shuffle._limiter import ResourceLimiter
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 
 __all__ = [
+    "BlockwiseMerge",
+    "BroadcastJoin",
+    "HashJoinP2P",
+    "Merge",
     "P2PBarrierTask",
     "P2PConsistencyError",
     "P2POutOfDiskError",
+    "RearrangeByColumn",
     "ResourceLimiter",
     "Shuffle",
     "ShuffleClosedError",
@@ -47,7 +68,13 @@ __all__ = [
     "SimpleShuffle",
     "Task",
     "TaskRef",
+    "_contains_index_name",
+    "_is_numeric_cast_type",
+    "_select_columns_or_index",
+    "_tokenize_deterministic",
     "barrier_key",
     "get_default_shuffle_method",
     "get_worker_plugin",
+    "merge_chunk",
+    "partitioning_index",
 ]

@@ -7,6 +7,14 @@ gpushuffle wraps that one method (:func:`install`): for the method name
 ``"gpushuffle"`` it returns :class:`GPUShuffle`, an expression that stays
 visible to dask-expr's optimizer; every other name goes to dask's own code
 unchanged.
+
+Joins: dask-expr lowers ``merge`` through ``Merge._lower``, which knows
+broadcast joins and hash joins only for its own method names.  :func:`install`
+wraps that method too (:func:`_lower_merge_with_gpushuffle`): dask still
+takes every decision (single-partition broadcast, broadcast join, index
+alignment, skipping a side already partitioned on the key); a join that
+shuffles both sides becomes :class:`GPUHashJoin`, and any other shuffle it
+chose runs on gpushuffle.
 """
 
 from __future__ import annotations
@@ -16,16 +24,24 @@ from typing import Any
 
 from gpushuffle import config
 from gpushuffle._distributed import (
+    BlockwiseMerge,
+    BroadcastJoin,
+    HashJoinP2P,
+    Merge,
     P2PBarrierTask,
+    RearrangeByColumn,
     Shuffle,
     ShuffleId,
     SimpleShuffle,
     Task,
     TaskRef,
+    _contains_index_name,
+    _tokenize_deterministic,
     barrier_key,
     get_default_shuffle_method,
 )
 from gpushuffle.backends import backend_for
+from gpushuffle.engine.join import PARTITION_COLUMN, join_transfer, join_unpack
 from gpushuffle.engine.spec import GPUShuffleSpec
 from gpushuffle.engine.tasks import barrier as barrier_task
 from gpushuffle.engine.tasks import transfer, unpack
@@ -128,18 +144,177 @@ def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
     )
 
 
+class GPUHashJoin(HashJoinP2P):
+    """gpushuffle's hash join: both sides shuffled, merged in one task per output.
+
+    The graph has the shape of dask's ``HashJoinP2P``: per side, one
+    transfer task per input partition (dask's partition id computed there,
+    then gpushuffle's transfer) and one barrier carrying that side's
+    :class:`GPUShuffleSpec`; per output partition ``j``, one
+    ``gpushuffle-join`` task that assembles ``j`` from both runs and merges
+    them with the backend (:func:`gpushuffle.engine.join.join_unpack`).
+    Parameters, ``_meta`` and divisions are ``HashJoinP2P``'s, so the result
+    is the same collection dask's p2p join gives.
+    """
+
+    @property
+    def _funcname(self) -> str:
+        return "gpushuffle-join"
+
+    def _side(self, dsk: dict, side: str, parts_out: list[int]) -> tuple[str, Any]:
+        """Transfer tasks and barrier of one side; its token and barrier."""
+        frame = self.left if side == "left" else self.right
+        on = self.shuffle_left_on if side == "left" else self.shuffle_right_on
+        index_merge = bool(self.left_index if side == "left" else self.right_index)
+        # self._name is part of the token: two joins never share a run.
+        token = _tokenize_deterministic(self._name, frame._name, on, index_merge, side)
+        backend_for(frame._meta)  # unsupported frame types fail here, not on workers
+        transfers = []
+        for i in range(frame.npartitions):
+            t = Task(
+                (f"gpushuffle-transfer-{token}", i),
+                join_transfer,
+                TaskRef((frame._name, i)),
+                on,
+                self._npartitions,
+                token,
+                i,
+                index_merge,
+            )
+            dsk[t.key] = t
+            transfers.append(t.ref())
+        meta = frame._meta.assign(**{PARTITION_COLUMN: 0})
+        barrier = P2PBarrierTask(
+            barrier_key(ShuffleId(token)),
+            barrier_task,
+            token,
+            *transfers,
+            spec=GPUShuffleSpec(
+                id=ShuffleId(token),
+                disk=False,
+                # All of the join's partitions (self.npartitions counts only
+                # those computed when some are filtered out).
+                npartitions=self._npartitions,
+                column=PARTITION_COLUMN,
+                meta=meta,
+                parts_out=tuple(parts_out) if self._filtered else self._npartitions,
+                # pandas gives a join on columns a fresh RangeIndex: then the
+                # sides' indexes need not travel.
+                ignore_index=not self._keeps_index,
+            ),
+        )
+        dsk[barrier.key] = barrier
+        return token, barrier
+
+    @functools.cached_property
+    def _keeps_index(self) -> bool:
+        return bool(
+            self.left_index
+            or self.right_index
+            or _contains_index_name(self.left._meta, self.left_on)
+            or _contains_index_name(self.right._meta, self.right_on)
+        )
+
+    def _layer(self) -> dict:
+        dsk: dict = {}
+        parts_out = list(self._partitions)
+        token_left, barrier_left = self._side(dsk, "left", parts_out)
+        token_right, barrier_right = self._side(dsk, "right", parts_out)
+        # Keys count the outputs computed (0, 1, ...), as dask-expr expects of
+        # a filtered expression; dask's HashJoinP2P keys them by partition
+        # number, and `.partitions[2]` of a p2p join fails.
+        for i, part_out in enumerate(parts_out):
+            t = Task(
+                (self._name, i),
+                join_unpack,
+                token_left,
+                token_right,
+                part_out,
+                barrier_left.ref(),
+                barrier_right.ref(),
+                self.how,
+                self.left_on,
+                self.right_on,
+                self._meta,
+                self.suffixes,
+                self.left_index,
+                self.right_index,
+                self.indicator,
+            )
+            dsk[t.key] = t
+        return dsk
+
+
+def _lower_merge_with_gpushuffle(self: Merge, _dask_lower: Any) -> Any:
+    """Lower a ``Merge`` whose shuffles gpushuffle takes; others go to dask unchanged.
+
+    dask takes the decisions: its ``Merge._lower`` runs with the method name
+    ``"tasks"``, for which its rules are those of ``p2p`` (single-partition
+    broadcast; broadcast join by the ``broadcast=`` argument or the
+    partition-count bias; merges aligned on known divisions; no shuffle for
+    a side already partitioned on the key).  Of what it returns, a blockwise
+    merge of two sides it shuffled becomes :class:`GPUHashJoin`; any other
+    shuffle it added (one side only, or the small side of a non-inner
+    broadcast join) gets gpushuffle's method.
+    """
+    method = self.shuffle_method or get_default_shuffle_method()
+    if not takes_gpushuffle(method, self.left._meta):
+        return _dask_lower(self)
+    lowered = _dask_lower(self.substitute_parameters({"shuffle_method": "tasks"}))
+    if not isinstance(lowered, (BlockwiseMerge, BroadcastJoin)):
+        return lowered
+    left, right = lowered.left, lowered.right
+    added_left = isinstance(left, RearrangeByColumn) and left._name != self.left._name
+    added_right = isinstance(right, RearrangeByColumn) and right._name != self.right._name
+    if isinstance(lowered, BlockwiseMerge) and added_left and added_right:
+        return GPUHashJoin(
+            self.left,
+            self.right,
+            how=self.how,
+            left_on=self.left_on,
+            right_on=self.right_on,
+            left_index=self.left_index,
+            right_index=self.right_index,
+            suffixes=self.suffixes,
+            indicator=self.indicator,
+            shuffle_left_on=left.partitioning_index,
+            shuffle_right_on=right.partitioning_index,
+            _npartitions=left.npartitions_out,
+        )
+    if added_left:
+        left = left.substitute_parameters({"method": method})
+    if added_right:
+        right = right.substitute_parameters({"method": method})
+    if added_left or added_right:
+        return type(lowered)(left, right, *lowered.operands[2:])
+    return lowered
+
+
 def install() -> None:
-    """Teach dask-expr the shuffle method name ``"gpushuffle"`` (idempotent)."""
+    """Teach dask-expr the shuffle method name ``"gpushuffle"`` (idempotent).
+
+    Wraps ``Shuffle._lower`` (shuffles, groupby ``split_out``, ``set_index``,
+    ``sort_values``, ``drop_duplicates``) and ``Merge._lower`` (joins).
+    """
     current = Shuffle._lower
-    if getattr(current, "_gpushuffle", False):
-        return
+    if not getattr(current, "_gpushuffle", False):
 
-    @functools.wraps(current)
-    def _lower(self: Shuffle) -> Any:
-        return _lower_with_gpushuffle(self, current)
+        @functools.wraps(current)
+        def _lower(self: Shuffle) -> Any:
+            return _lower_with_gpushuffle(self, current)
 
-    _lower._gpushuffle = True  # type: ignore[attr-defined]
-    Shuffle._lower = _lower  # type: ignore[method-assign]
+        _lower._gpushuffle = True  # type: ignore[attr-defined]
+        Shuffle._lower = _lower  # type: ignore[method-assign]
+
+    current_merge = Merge._lower
+    if not getattr(current_merge, "_gpushuffle", False):
+
+        @functools.wraps(current_merge)
+        def _lower_merge(self: Merge) -> Any:
+            return _lower_merge_with_gpushuffle(self, current_merge)
+
+        _lower_merge._gpushuffle = True  # type: ignore[attr-defined]
+        Merge._lower = _lower_merge  # type: ignore[method-assign]
 
 
 def shuffle(
@@ -177,12 +352,14 @@ def shuffle(
 
 
 def _worker_statistics() -> dict[str, Any]:
+    from gpushuffle import transport
     from gpushuffle.engine.memory import worker_memory
     from gpushuffle.engine.pool import host_pool
 
     row = worker_memory().snapshot()
     for key, value in host_pool().statistics.as_dict().items():
         row[f"host_pool_{key}"] = value
+    row.update(transport.statistics.as_dict())
     return row
 
 
@@ -193,8 +370,11 @@ def statistics(client: Any) -> Any:
     (``device``, ``host``, ``disk``) its ``_limit``, the ``_bytes`` received
     shards hold there now and the ``_peak_bytes``; bytes and seconds moved
     between tiers each way (``host_to_disk_bytes``, ``disk_to_host_seconds``,
-    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; and
-    the host buffer pool's counters (``host_pool_...``).
+    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; the
+    host buffer pool's counters (``host_pool_...``); and what crossed the
+    wire (``wire_shards_sent``, ``wire_shards_serialized``,
+    ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,
+    frames handed to UCX as device buffers).
     """
     import pandas as pd
 

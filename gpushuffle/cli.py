@@ -206,6 +206,23 @@ def bench(
     help="Run on the cluster at this scheduler address instead of an embedded one; "
     "its workers must see INPUT and OUTPUT at the same paths (a shared filesystem).",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["auto", "pandas", "cudf"]),
+    default="auto",
+    show_default=True,
+    help="Frames to shuffle: cuDF on GPU workers or pandas on CPU workers.  auto: cuDF "
+    "where dask-cuda is installed and cuDF computes on a GPU (with --scheduler: where "
+    "every worker is a dask-cuda worker), else pandas.",
+)
+@click.option(
+    "--rmm",
+    type=click.Choice(["pool", "async", "none"]),
+    default="pool",
+    show_default=True,
+    help="Device memory of an embedded dask-cuda cluster: an RMM pool starting at half "
+    "the device (needed for UCX), CUDA's async allocator, or plain cudaMalloc.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
 @click.option(
     "--quiet", "-q", is_flag=True, help="No progress bar and no notes; the summary still prints."
@@ -223,6 +240,8 @@ def shuffle(
     protocol: str,
     memory_limit: str | None,
     scheduler: str | None,
+    backend: str,
+    rmm: str,
     overwrite: bool,
     quiet: bool,
     as_json: bool,
@@ -268,10 +287,12 @@ def shuffle(
                     workers=workers,
                     protocol=protocol,
                     memory_limit=memory_limit,
+                    rmm=rmm,
                 ),
                 progress=not quiet and sys.stderr.isatty(),
                 note=note,
                 debug=debug,
+                backend=backend,
             )
     except JobError as e:
         raise fail(BadArguments, str(e)) from None
@@ -298,14 +319,16 @@ def demo(rows: int, partitions: int, workers: int) -> None:
 
     On a machine with a usable GPU, dask-cuda and cuDF, the cluster is a
     LocalCUDACluster and the frame is cuDF-backed; otherwise CPU workers
-    shuffle pandas partitions.
+    shuffle pandas partitions.  dask-cuda runs one worker per GPU, so on GPUs
+    --workers is capped by their number (with one GPU no shard crosses the
+    network: the check then covers partitioning, not the transport).
     """
     import dask.dataframe as dd
     from distributed import Client, LocalCluster
 
     import gpushuffle
     from gpushuffle.bench import make_partition
-    from gpushuffle.job import detect_cluster_plan
+    from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan
 
     plan = detect_cluster_plan()
     if plan.note:
@@ -315,10 +338,19 @@ def demo(rows: int, partitions: int, workers: int) -> None:
     if plan.kind == "LocalCUDACluster":
         from dask_cuda import LocalCUDACluster
 
-        cluster_cm: Any = LocalCUDACluster(dashboard_address=":0")
+        from gpushuffle.job import rmm_options
+
+        if workers > plan.gpus:
+            click.echo(
+                f"--workers {workers}: dask-cuda runs one worker per GPU; "
+                f"using {plan.gpus} (one per visible GPU)"
+            )
+        cluster_cm: Any = LocalCUDACluster(
+            n_workers=min(workers, plan.gpus), dashboard_address=":0", **rmm_options("pool")
+        )
     else:
         cluster_cm = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0")
-    with cluster_cm as cluster, Client(cluster) as client:
+    with cluster_cm as cluster, _quiet_shuffle_log(debug=False), Client(cluster) as client:
         nworkers = len(client.scheduler_info()["workers"])
         click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")
         df = dd.from_map(

@@ -63,7 +63,20 @@ def worker_memory_limit() -> int:
 
 
 def device_memory_total() -> int | None:
-    """Total memory of the current CUDA device, or None without a usable one."""
+    """Total memory of this process's CUDA device, or None without a usable one.
+
+    Read through NVML (``distributed.diagnostics.nvml``), which opens no CUDA
+    context; RMM is asked only where NVML cannot answer.
+    """
+    try:
+        from distributed.diagnostics import nvml
+
+        if nvml.device_get_count():
+            total = nvml.one_time()["memory-total"]
+            if total:
+                return int(total)
+    except Exception:
+        pass
     try:
         import rmm
 
@@ -71,3 +84,20 @@ def device_memory_total() -> int | None:
         return int(total)
     except Exception:
         return None
+
+
+def device_spill_limit() -> int | None:
+    """dask-cuda's device memory limit of the current worker, if it has one.
+
+    dask-cuda moves task results off the device beyond this limit
+    (``device_memory_limit``, 0.8 of the device by default): gpushuffle's
+    device budget is a share of it rather than of the whole device.
+    """
+    try:
+        from distributed import get_worker
+
+        data = get_worker().data
+    except (ImportError, ValueError):
+        return None
+    limit = getattr(data, "device_memory_limit", None)
+    return int(limit) if isinstance(limit, int | float) and limit > 0 else None

@@ -253,6 +253,12 @@ def _verify(tmp: Path, npartitions: int, rows: int) -> tuple[int, int]:
 # -- cluster ------------------------------------------------------------------
 
 
+#: Frame backends a job can read with; "auto" picks cuDF where it works.
+BACKENDS = ("auto", "pandas", "cudf")
+#: How an embedded LocalCUDACluster allocates device memory (``--rmm``).
+RMM_MODES = ("pool", "async", "none")
+
+
 @dataclass(frozen=True)
 class ClusterOptions:
     """Where the job runs: an existing scheduler, or an embedded cluster."""
@@ -261,6 +267,10 @@ class ClusterOptions:
     workers: int | None = None
     protocol: str = "tcp"
     memory_limit: str | None = None
+    #: "pool": an RMM pool of half the device, growing as needed (UCX needs a
+    #: pool: device memory sent through CUDA IPC from the default allocator
+    #: is never freed); "async": CUDA's stream-ordered allocator; "none".
+    rmm: str = "pool"
 
 
 @dataclass(frozen=True)
@@ -270,28 +280,39 @@ class ClusterPlan:
     kind: str
     backend: str
     note: str | None = None
+    #: GPUs a LocalCUDACluster can use (one worker each).
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """A CUDA device on which cuDF works, and how many devices are visible."""
+
+    name: str
+    count: int = 1
+
+    def __str__(self) -> str:
+        return self.name
 
 
 _GPU_PROBE = """
-try:
-    import cupy
-    cupy.zeros(1)
-    print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
-except ImportError:
-    import rmm
-    rmm.DeviceBuffer(size=1)
-    print("a CUDA device")
+import cudf, dask_cudf, cupy
+# A device allocation and a kernel: cuDF imports fine where it cannot run.
+assert int(cudf.Series([1, 2]).sum()) == 3
+print(cupy.cuda.runtime.getDeviceCount())
+print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
 """
 
 
-def usable_gpu(timeout: float = 60) -> str | None:
-    """The name of a CUDA device that can allocate memory, or None.
+def usable_gpu(timeout: float = 120) -> GpuInfo | None:
+    """A CUDA device on which cuDF computes, or None.
 
-    A child process tries the allocation with cupy or rmm: both import fine
-    on machines without a GPU (or without a working driver), and a CUDA
-    context in this process would hold device memory for the whole job.
+    A child process imports cuDF and dask_cudf and runs a reduction on the
+    device: they import fine on machines without a GPU (or with one too old
+    for cuDF, which needs compute capability 7.0), and a CUDA context in this
+    process would hold device memory for the whole job.
     """
-    if not any(importlib.util.find_spec(m) for m in ("cupy", "rmm")):
+    if not all(importlib.util.find_spec(m) for m in ("cudf", "dask_cudf", "cupy")):
         return None
     try:
         proc = subprocess.run(
@@ -302,9 +323,10 @@ def usable_gpu(timeout: float = 60) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    if proc.returncode != 0:
+    lines = proc.stdout.split("\n")
+    if proc.returncode != 0 or len(lines) < 2 or not lines[0].strip().isdigit():
         return None
-    return proc.stdout.strip() or "a CUDA device"
+    return GpuInfo(name=lines[1].strip() or "a CUDA device", count=int(lines[0]))
 
 
 def cudf_backend_registered() -> bool:
@@ -313,37 +335,76 @@ def cudf_backend_registered() -> bool:
     return available("cudf")
 
 
-def plan_cluster(*, dask_cuda: bool, gpu: str | None, cudf_backend: bool) -> ClusterPlan:
+def plan_cluster(
+    *, dask_cuda: bool, gpu: GpuInfo | None, cudf_backend: bool, backend: str = "auto"
+) -> ClusterPlan:
     """``LocalCUDACluster`` with cuDF partitions when a GPU can be used, else ``LocalCluster``.
 
-    A GPU is used only if dask-cuda is installed, a CUDA allocation succeeds
-    (``gpu`` names the device) and gpushuffle has a cuDF backend; when the
-    first two hold but not the last, the note says so.
+    A GPU is used only if dask-cuda is installed, cuDF computes on a device
+    (``gpu``) and gpushuffle's cuDF backend loads; when the first two hold but
+    not the last, the note says so.  ``backend="pandas"`` always plans CPU
+    workers; ``backend="cudf"`` raises :class:`JobError` naming what is
+    missing instead of falling back.
     """
-    if not dask_cuda or not gpu:
+    if backend not in BACKENDS:
+        raise JobError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "pandas":
         return ClusterPlan("LocalCluster", "pandas")
-    if not cudf_backend:
-        return ClusterPlan(
-            "LocalCluster",
-            "pandas",
-            f"{gpu} is usable, but gpushuffle has no cuDF backend yet: "
-            "shuffling pandas partitions on CPU workers",
-        )
-    return ClusterPlan("LocalCUDACluster", "cudf", f"{gpu}: cuDF partitions on GPU workers")
+    missing = None
+    if not dask_cuda:
+        missing = "dask-cuda is not installed (install gpushuffle's GPU extra)"
+    elif not gpu:
+        missing = "no GPU on which cuDF can compute (a cuDF reduction failed in a probe)"
+    elif not cudf_backend:
+        missing = f"{gpu} is usable, but gpushuffle's cuDF backend does not load"
+    if missing is not None:
+        if backend == "cudf":
+            raise JobError(f"--backend cudf: {missing}; or pass --backend pandas")
+        note = f"{missing}: shuffling pandas partitions on CPU workers" if gpu else None
+        return ClusterPlan("LocalCluster", "pandas", note)
+    assert gpu is not None
+    return ClusterPlan(
+        "LocalCUDACluster",
+        "cudf",
+        f"{gpu.name} ({gpu.count} visible): cuDF partitions on GPU workers",
+        gpus=gpu.count,
+    )
 
 
-def detect_cluster_plan() -> ClusterPlan:
+def detect_cluster_plan(backend: str = "auto") -> ClusterPlan:
     """:func:`plan_cluster` for this machine.
 
     The GPU probe starts a process, so it runs only where dask-cuda is
-    installed: elsewhere the answer is ``LocalCluster`` whatever it finds.
+    installed and the backend may be cuDF.
     """
+    if backend == "pandas":
+        return plan_cluster(dask_cuda=False, gpu=None, cudf_backend=False, backend=backend)
     dask_cuda = importlib.util.find_spec("dask_cuda") is not None
     return plan_cluster(
         dask_cuda=dask_cuda,
         gpu=usable_gpu() if dask_cuda else None,
-        cudf_backend=cudf_backend_registered(),
+        cudf_backend=cudf_backend_registered() if dask_cuda else False,
+        backend=backend,
     )
+
+
+def _is_dask_cuda_worker(dask_worker: Any) -> bool:
+    """Whether a worker was started by dask-cuda (its data spills from the device)."""
+    return type(dask_worker.data).__module__.startswith("dask_cuda") and (
+        importlib.util.find_spec("cudf") is not None
+    )
+
+
+def cluster_backend(client: Any, backend: str) -> str:
+    """The frame backend for an existing cluster: cuDF if every worker is a dask-cuda one.
+
+    Asking opens no CUDA context on the workers: a CPU worker on a GPU host
+    stays off the GPU.
+    """
+    if backend != "auto":
+        return backend
+    gpu_workers = client.run(_is_dask_cuda_worker)
+    return "cudf" if gpu_workers and all(gpu_workers.values()) else "pandas"
 
 
 def _worker_version() -> str:
@@ -368,6 +429,9 @@ _WORKER_PRELOAD = "gpushuffle._embedded_worker"
 
 @contextlib.contextmanager
 def _quiet_shuffle_log(debug: bool) -> Iterator[None]:
+    # distributed's scheduler plugin logs a WARNING when each shuffle starts
+    # and ends; in an embedded cluster (scheduler in this process) they read
+    # like problems.  Kept with --debug.
     logger = logging.getLogger("distributed.shuffle._scheduler_plugin")
     level = logger.level
     if not debug:
@@ -437,6 +501,7 @@ def connect(
         if plan.kind == "LocalCUDACluster":
             from dask_cuda import LocalCUDACluster
 
+            kwargs.update(rmm_options(options.rmm))
             cluster = LocalCUDACluster(**kwargs)
         else:
             from distributed import LocalCluster
@@ -455,6 +520,27 @@ def connect(
             f"{options.protocol}; dashboard {client.dashboard_link}"
         )
         yield client
+
+
+def rmm_options(mode: str) -> dict[str, Any]:
+    """``LocalCUDACluster`` arguments for ``--rmm``."""
+    if mode not in RMM_MODES:
+        raise JobError(f"--rmm {mode!r}: choose one of {', '.join(RMM_MODES)}")
+    if mode == "pool":
+        return {"rmm_pool_size": 0.5}
+    if mode == "async":
+        return {"rmm_async": True}
+    return {}
+
+
+def check_gpu_workers(plan: ClusterPlan, workers: int | None) -> None:
+    """dask-cuda runs one worker per visible GPU: more is a usage error, not a failure."""
+    if plan.kind == "LocalCUDACluster" and workers is not None and workers > plan.gpus:
+        raise JobError(
+            f"--workers {workers}: dask-cuda runs one worker per GPU and {plan.gpus} "
+            f"GPU{'s are' if plan.gpus != 1 else ' is'} visible; pass --workers "
+            f"{plan.gpus} or fewer, or --backend pandas for CPU workers"
+        )
 
 
 # -- worker-side measurements -------------------------------------------------
@@ -508,6 +594,7 @@ class Summary:
     peak_worker_rss_bytes: int
     bytes_spilled: int
     workers: int
+    backend: str = "pandas"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -530,6 +617,7 @@ class Summary:
                 f"  peak worker memory  {format_bytes(self.peak_worker_rss_bytes)} "
                 f"(RSS of the largest of {self.workers} workers)",
                 f"  bytes spilled       {spilled}",
+                f"  frames              {self.backend}",
             ]
         )
 
@@ -545,6 +633,7 @@ def shuffle_parquet(
     progress: bool = False,
     note: Callable[[str], None] = lambda message: None,
     debug: bool = False,
+    backend: str = "auto",
 ) -> Summary:
     """Shuffle the Parquet dataset ``input`` by ``on`` into ``output``.
 
@@ -557,25 +646,49 @@ def shuffle_parquet(
 
     options = cluster or ClusterOptions()
     on = list(on)
-    if options.scheduler and (options.workers or options.memory_limit or options.protocol != "tcp"):
-        raise JobError("--workers, --protocol and --memory-limit apply only without --scheduler")
+    if options.scheduler and (
+        options.workers
+        or options.memory_limit
+        or options.protocol != "tcp"
+        or options.rmm != "pool"
+    ):
+        raise JobError(
+            "--workers, --protocol, --memory-limit and --rmm apply only without --scheduler"
+        )
+    if backend not in BACKENDS:
+        raise JobError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    rmm_options(options.rmm)
     _check_memory_limit(options.memory_limit)
     info = inspect_input(input)
     out = check_output(output, overwrite, info)
-    plan = None if options.scheduler else detect_cluster_plan()
-    df = read_input(info, plan.backend if plan else "pandas")
-    check_columns(on, df._meta, input)
-    nout = npartitions or df.npartitions
-    if nout < 1:
-        raise JobError(f"--npartitions must be at least 1, got {nout}")
-    keep_index = df._meta.index.name is not None
-    shuffled = gpushuffle.shuffle(
-        df, on if len(on) > 1 else on[0], nout, ignore_index=not keep_index
-    )
+
+    def prepare(frame_backend: str) -> tuple[Any, Any, int, bool]:
+        df = read_input(info, frame_backend)
+        check_columns(on, df._meta, input)
+        nout = npartitions or df.npartitions
+        if nout < 1:
+            raise JobError(f"--npartitions must be at least 1, got {nout}")
+        keep_index = df._meta.index.name is not None
+        shuffled = gpushuffle.shuffle(
+            df, on if len(on) > 1 else on[0], nout, ignore_index=not keep_index
+        )
+        return df, shuffled, nout, keep_index
+
+    plan = None
+    if not options.scheduler:
+        # Everything that can be wrong is found before a cluster starts.
+        plan = detect_cluster_plan(backend)
+        check_gpu_workers(plan, options.workers)
+        chosen = plan.backend
+        df, shuffled, nout, keep_index = prepare(chosen)
 
     tmp: Path | None = None
     try:
         with connect(options, plan, note, debug) as client:
+            if plan is None:
+                chosen = cluster_backend(client, backend)
+                note(f"partitions: {chosen}")
+                df, shuffled, nout, keep_index = prepare(chosen)
             tmp = _make_temporary(out)
             write = shuffled.to_parquet(
                 str(tmp),
@@ -583,7 +696,12 @@ def shuffle_parquet(
                 write_index=keep_index,
                 write_metadata_file=False,
                 name_function=partial(part_name, len(str(nout - 1))),
-                schema=_output_schema(info, shuffled._meta, keep_index),
+                # dask_cudf's writer takes no Arrow schema; cuDF keeps its types.
+                **(
+                    {"schema": _output_schema(info, shuffled._meta, keep_index)}
+                    if chosen == "pandas"
+                    else {}
+                ),
             )
             wall, peak, shard_bytes, spilled, nworkers = _compute(client, write, progress)
         rows, out_bytes = _verify(tmp, nout, info.rows)
@@ -603,6 +721,7 @@ def shuffle_parquet(
             peak_worker_rss_bytes=peak,
             bytes_spilled=spilled,
             workers=nworkers,
+            backend=chosen,
         )
         (tmp / SUCCESS).write_text(json.dumps(summary.as_dict(), indent=2) + "\n")
         _commit(tmp, out)

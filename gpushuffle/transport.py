@@ -3,23 +3,34 @@
 One input partition yields at most one shard per destination worker: the rows
 bound for that worker, grouped by output partition.  Shards are serialized by
 their backend, registered in both of distributed's serializer families that
-carry data: ``dask`` (TCP) and ``cuda`` (UCX, which sends frames exposing
-``__cuda_array_interface__`` device to device).
+carry data: ``dask`` (TCP: host frames) and ``cuda`` (UCX, which sends frames
+exposing ``__cuda_array_interface__`` device to device).
+
+distributed picks a serializer by the type at the top of what it is given:
+a message must carry a *list of shards* (:func:`wire_payload`), each of which
+then reaches its registered serializer.  A list of ``(key, shard)`` tuples
+would be pickled whole instead, bypassing the backend (for cuDF, pickling a
+pylibcudf table would carry a raw device address).  Backend tables therefore
+refuse plain pickling (:func:`gpushuffle.backends.base.refuse_pickle`), so
+such a mistake fails loudly.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from dask.sizeof import sizeof
 from distributed.protocol import (
+    Serialize,
     cuda_deserialize,
     cuda_serialize,
     dask_deserialize,
     dask_serialize,
+    to_serialize,
 )
 
 from gpushuffle.backends import backend_named
@@ -44,9 +55,53 @@ class Shard:
     chunk: int = 0
 
 
+@dataclass
+class WireStatistics:
+    """Shards this process sent, serialized and deserialized (cumulative).
+
+    Every shard sent to another worker is serialized once by its backend and
+    deserialized once by the receiver's: over a cluster, the three counts
+    agree.  ``device_frames`` counts frames handed to the comm as device
+    buffers (UCX with cuDF).
+    """
+
+    shards_sent: int = 0
+    shards_serialized: int = 0
+    shards_deserialized: int = 0
+    bytes_sent: int = 0
+    bytes_serialized: int = 0
+    bytes_deserialized: int = 0
+    device_frames: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"wire_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+#: This process's wire statistics (serializers may run in comm threads).
+statistics = WireStatistics()
+_statistics_lock = threading.Lock()
+
+
+def _count(**increments: int) -> None:
+    with _statistics_lock:
+        for name, value in increments.items():
+            setattr(statistics, name, getattr(statistics, name) + value)
+
+
+def wire_payload(shards: Sequence[Shard]) -> Serialize:
+    """The ``data`` of one message: shards that each reach their serializer."""
+    _count(shards_sent=len(shards), bytes_sent=sum(s.nbytes for s in shards))
+    return to_serialize(list(shards))
+
+
 def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
     header, frames = backend_named(shard.backend).serialize(
         shard.table, device_frames=device_frames
+    )
+    _count(
+        shards_serialized=1,
+        bytes_serialized=shard.nbytes,
+        device_frames=sum(hasattr(f, "__cuda_array_interface__") for f in frames),
     )
     return {
         "backend": shard.backend,
@@ -61,6 +116,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
 
 def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
     backend = backend_named(header["backend"])
+    _count(shards_deserialized=1, bytes_deserialized=header["nbytes"])
     return Shard(
         backend=header["backend"],
         input_partition=header["input_partition"],

@@ -97,11 +97,11 @@ def assert_nothing_left_behind(client: Client) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run ``gpu`` tests only where a CUDA allocation succeeds.
+    """Run ``gpu`` tests only where cuDF computes on a GPU.
 
     cudf, cupy and rmm import on machines without a GPU and fail only at the
     first allocation, so an import check is not enough: a child process
-    allocates (see gpushuffle.job.usable_gpu).
+    runs a cuDF reduction (see gpushuffle.job.usable_gpu).
     """
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
@@ -111,10 +111,11 @@ def pytest_collection_modifyitems(config, items):
     device = usable_gpu()
     if device:
         return
+    missing = [m for m in ("cudf", "dask_cudf", "cupy") if not _any_module(m)]
     reason = (
-        "no usable CUDA device: cupy/rmm are not installed"
-        if not _any_module("cupy", "rmm")
-        else "no usable CUDA device: a CUDA allocation with cupy/rmm failed"
+        f"no usable CUDA device: {', '.join(missing)} not installed"
+        if missing
+        else "no usable CUDA device: cuDF could not compute on a GPU (probed in a child process)"
     )
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=reason))

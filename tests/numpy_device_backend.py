@@ -3,7 +3,9 @@
 No GPU exists on CI machines, so this stands in for device memory to drive
 the store's device tier: its tables are charged to the device tier, and
 moving them to host or back copies them, like cuDF buffers to pinned host
-memory.  It is used by tests only.
+memory.  As with cuDF, ``deserialize`` (of frames from the wire or from a
+spill file) returns a table on the device.  It is used by tests only; for
+whole shuffles on a cluster see ``device_stand_in.py``.
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ class NumpyDeviceBackend(TableBackend):
         return {"n": len(table)}, [memoryview(np.ascontiguousarray(table.values)).cast("B")]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> FakeDeviceTable:
-        return FakeDeviceTable(np.frombuffer(frames[0], dtype=np.int64).copy(), on_device=False)
+        # Like cuDF, whose deserialize copies the frames to the device.
+        type(self).moves_to_device += 1
+        return FakeDeviceTable(np.frombuffer(frames[0], dtype=np.int64).copy(), on_device=True)
 
 
 # -- Device memory and column operations, for the bounded assemble ------------
-# (gpushuffle.backends.columns.assemble_columns, which the cuDF backend's
-# assemble runs with pylibcudf columns).
+# (gpushuffle.backends.columns.assemble_columns: the bounded unpack,
+# measured here without a GPU).
 
 
 class DeviceMemory:

@@ -463,7 +463,7 @@ ERRORS = {
     ),
     "scheduler with cluster options": (
         ["{events}", "{tmp}/out", "--on", "user_id", "--scheduler", "tcp://x:1", "--workers", "2"],
-        "Error: --workers, --protocol and --memory-limit apply only without --scheduler",
+        "Error: --workers, --protocol, --memory-limit and --rmm apply only without --scheduler",
     ),
     "bad memory limit": (
         ["{events}", "{tmp}/out", "--on", "user_id", "--memory-limit", "lots"],
@@ -518,15 +518,44 @@ def test_bad_option_values_are_usage_errors(events, tmp_path):
 
 def test_cluster_plan():
     plan = job.plan_cluster
+    h200 = job.GpuInfo("H200", 1)
     assert plan(dask_cuda=False, gpu=None, cudf_backend=False).kind == "LocalCluster"
-    assert plan(dask_cuda=False, gpu="H100", cudf_backend=True).kind == "LocalCluster"
+    assert plan(dask_cuda=False, gpu=h200, cudf_backend=True).kind == "LocalCluster"
     assert plan(dask_cuda=True, gpu=None, cudf_backend=True).kind == "LocalCluster"
-    # A usable GPU without a cuDF backend: CPU workers, and the note says why.
-    cpu = plan(dask_cuda=True, gpu="H100", cudf_backend=False)
+    # A usable GPU without a loadable cuDF backend: CPU workers, and the note says why.
+    cpu = plan(dask_cuda=True, gpu=h200, cudf_backend=False)
     assert (cpu.kind, cpu.backend) == ("LocalCluster", "pandas")
-    assert cpu.note is not None and "no cuDF backend yet" in cpu.note
-    gpu = plan(dask_cuda=True, gpu="H100", cudf_backend=True)
-    assert (gpu.kind, gpu.backend) == ("LocalCUDACluster", "cudf")
+    assert cpu.note is not None and "does not load" in cpu.note
+    gpu = plan(dask_cuda=True, gpu=h200, cudf_backend=True)
+    assert (gpu.kind, gpu.backend, gpu.gpus) == ("LocalCUDACluster", "cudf", 1)
+    # Asked for: pandas always; cuDF or a clear error naming what is missing.
+    assert plan(dask_cuda=True, gpu=h200, cudf_backend=True, backend="pandas").backend == "pandas"
+    with pytest.raises(job.JobError, match="--backend cudf: no GPU on which cuDF can compute"):
+        plan(dask_cuda=True, gpu=None, cudf_backend=True, backend="cudf")
+    with pytest.raises(job.JobError, match="dask-cuda is not installed"):
+        plan(dask_cuda=False, gpu=None, cudf_backend=False, backend="cudf")
+
+
+def test_more_gpu_workers_than_gpus_is_a_usage_error():
+    gpu = job.plan_cluster(dask_cuda=True, gpu=job.GpuInfo("H200", 1), cudf_backend=True)
+    job.check_gpu_workers(gpu, 1)
+    job.check_gpu_workers(gpu, None)
+    with pytest.raises(job.JobError, match="one worker per GPU and 1 GPU is visible"):
+        job.check_gpu_workers(gpu, 2)
+    cpu = job.plan_cluster(dask_cuda=False, gpu=None, cudf_backend=False)
+    job.check_gpu_workers(cpu, 8)  # CPU workers: any number
+
+
+def test_backend_cudf_without_a_gpu_exits_2(events, tmp_path):
+    result = gpushuffle("shuffle", events, tmp_path / "out", "--on", "user_id", "--backend", "cudf")
+    assert result.exit_code == 2, result.output
+    assert "--backend cudf:" in result.output and "--backend pandas" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_cluster_of_cpu_workers_gets_pandas(client):
+    assert job.cluster_backend(client, "auto") == "pandas"
+    assert job.cluster_backend(client, "cudf") == "cudf"
 
 
 def test_gpu_probe(monkeypatch):
@@ -538,14 +567,15 @@ def test_gpu_probe(monkeypatch):
 
     monkeypatch.setattr(job.subprocess, "run", run)
     monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: object())
-    returncode, stdout = 0, "NVIDIA H200\n"
-    assert job.usable_gpu() == "NVIDIA H200"
+    returncode, stdout = 0, "2\nNVIDIA H200\n"
+    assert job.usable_gpu() == job.GpuInfo("NVIDIA H200", 2)
+    assert "cudf.Series" in calls[-1][-1]  # the probe computes with cuDF
     returncode, stdout = 1, ""
     assert job.usable_gpu() is None
     monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: None)
     calls.clear()
     assert job.usable_gpu() is None
-    assert calls == []  # neither cupy nor rmm: no process started
+    assert calls == []  # no cuDF: no process started
 
 
 def test_cuda_probe_fails_cleanly_without_a_gpu():
@@ -653,3 +683,16 @@ def test_bench_plot_into_a_missing_directory_fails_before_running(tmp_path):
     r = gpushuffle("bench", "--plot", tmp_path / "nowhere" / "x.png")
     assert r.exit_code == 2
     assert r.stderr == f"Error: --plot {tmp_path}/nowhere/x.png: no directory {tmp_path}/nowhere\n"
+
+
+def test_demo_checks_its_result_and_keeps_distributed_logs_out():
+    proc = subprocess.run(
+        [GPUSHUFFLE, "demo", "--rows", "100000", "--partitions", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "every row present once, each key in one partition: yes" in proc.stdout
+    # distributed's scheduler plugin warns at every shuffle's start and end.
+    assert "initialized by task" not in proc.stdout + proc.stderr

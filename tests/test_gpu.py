@@ -1,95 +1,492 @@
 """The cuDF backend and the device path, on a real GPU (skipped without one).
 
-Run by ci/test_gpu.sh on GPU runners; on CPU CI these are collected and
-skipped with the reason (see conftest.pytest_collection_modifyitems).
+Run by ``ci/test_gpu.sh`` on GPU runners and by ``ci/gpu_run.sh`` on the lent
+GPU machine; on CPU CI they are collected and skipped with the reason (see
+``conftest.pytest_collection_modifyitems``, which allocates with cuDF in a
+child process).  cuDF is imported inside the tests, so collection works
+without it.
+
+What they cover, in the order a broken device path would show it:
+
+- the backend on its own: every dtype the backend claims through split,
+  slice, the wire (host and device frames), the host tier and back, and
+  assemble; categories that differ between partitions and from meta; loose
+  meta cast; column labels; tables without columns; a bounded unpack
+  (device peak measured with RMM's statistics); tables refusing pickle;
+- the store's device tier spilling to host and disk and back;
+- shuffles on two worker processes sharing the one GPU, over TCP and UCX,
+  against dask's ``tasks`` method, asserting that shards crossed the wire
+  through the backend's serializers (and, over UCX, as device frames), with
+  tiny device and host budgets, and that nothing is left behind;
+- ``gpushuffle shuffle`` end to end on cuDF.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import dask
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import assert_nothing_left_behind
+from truth import checksum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-
-@pytest.fixture(scope="module")
-def cuda_client():
-    dask_cuda = pytest.importorskip("dask_cuda")
-    from distributed import Client
-
-    with (
-        dask_cuda.LocalCUDACluster(protocol="ucx", rmm_pool_size="1GB") as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
+NPARTS = 4
 
 
-def frame(n: int = 20_000, seed: int = 0) -> pd.DataFrame:
+# -- frames -------------------------------------------------------------------
+
+
+def _pandas_frame(n: int, seed: int) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
+    ints = pd.array(rng.integers(-50, 50, n), dtype="Int64")
+    ints[rng.random(n) < 0.1] = pd.NA
+    floats = rng.random(n)
+    floats[rng.random(n) < 0.1] = np.nan
+    strings = pd.array([f"s{i % 97}" * (1 + i % 3) for i in range(n)], dtype="string")
+    strings[rng.random(n) < 0.1] = pd.NA
     return pd.DataFrame(
         {
             "key": rng.integers(0, 500, n),
             "row": np.arange(n),
-            "f": rng.random(n),
-            "s": [f"s{i % 97}" for i in range(n)],
+            "i32": rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int32),
+            "nullable": ints,
+            "f": floats,
+            "b": rng.random(n) < 0.5,
+            "s": strings,
             "c": pd.Categorical(rng.choice(["x", "y", "z"], n)),
+            "ts": pd.Timestamp("2026-01-01") + pd.to_timedelta(rng.integers(0, 10**6, n), "s"),
+            "tz": pd.date_range("2020-01-01", periods=n, freq="min", tz="Europe/Berlin"),
+            "td": pd.to_timedelta(rng.integers(0, 10**6, n), "ms"),
         },
         index=pd.Index(np.arange(n) * 3, name="idx"),
     )
 
 
-def test_cudf_shuffle_matches_tasks(cuda_client):
-    import dask.dataframe as dd
-    from truth import checksum
+def gpu_frame(n: int = 5000, seed: int = 0):
+    """Every dtype the backend claims, nulls in most, a named index."""
+    import cudf
 
-    pdf = frame()
-    gdf = dd.from_pandas(pdf, npartitions=6, sort=False).to_backend("cudf")
-    ours = gdf.shuffle("key", npartitions=5, shuffle_method="gpushuffle")
-    assert any("gpushuffle-transfer" in str(k) for k in ours.__dask_graph__())
-    truth = gdf.shuffle("key", npartitions=5, shuffle_method="tasks")
-    for i in range(5):
-        a = ours.partitions[i].compute().to_pandas()
-        b = truth.partitions[i].compute().to_pandas()
-        assert len(a) == len(b)
-        assert checksum(a) == checksum(b)
-        assert a["row"].is_monotonic_increasing  # input order kept
-        assert a.index.name == "idx"
-        pd.testing.assert_series_equal(a.dtypes, b.dtypes)
+    gdf = cudf.from_pandas(_pandas_frame(n, seed))
+    rng = np.random.default_rng(seed + 1)
+    gdf["dec"] = cudf.Series(
+        [None if i % 11 == 0 else round(float(v), 2) for i, v in enumerate(rng.random(n) * 100)]
+    ).astype(cudf.Decimal64Dtype(precision=10, scale=2))
+    gdf["lst"] = cudf.Series([None if i % 13 == 0 else list(range(i % 4)) for i in range(n)])
+    gdf["st"] = cudf.Series([{"a": i, "b": f"v{i % 5}"} for i in range(n)])
+    gdf.index = cudf.Index(np.arange(n) * 3, name="idx")
+    return gdf
 
 
-def test_p2p_on_cudf_opt_in_routes_to_gpushuffle(cuda_client):
-    import dask
-    import dask.dataframe as dd
-
-    gdf = dd.from_pandas(frame(1000), npartitions=3).to_backend("cudf")
-    with dask.config.set({"gpushuffle.p2p-on-cudf": True}):
-        graph = gdf.shuffle("key", shuffle_method="p2p").__dask_graph__()
-    assert any("gpushuffle-transfer" in str(k) for k in graph)
+def with_partitions(gdf, nparts: int = NPARTS):
+    """``gdf`` with dask's ``_partitions`` column (``key`` modulo ``nparts``)."""
+    out = gdf.copy()
+    out["_partitions"] = (out["key"] % nparts).astype(np.int16)
+    return out
 
 
-def test_backend_round_trips_on_the_device():
+def expected_partition(gdf, p: int, keep_index: bool = True):
+    part = gdf[gdf["_partitions"] == p].drop(columns=["_partitions"])
+    return part if keep_index else part.reset_index(drop=True)
+
+
+def assert_frames_equal(ours, expected) -> None:
+    import cudf
+
+    cudf.testing.assert_frame_equal(ours, expected)  # values, dtypes, index, labels
+
+
+def split_pieces(backend, gdf, keep_index: bool = True, nparts: int = NPARTS):
+    table, offsets = backend.split(
+        gdf, "_partitions", np.arange(nparts, dtype=np.int16), nparts, keep_index
+    )
+    return [backend.slice(table, int(offsets[p]), int(offsets[p + 1])) for p in range(nparts)]
+
+
+# -- the backend on its own ---------------------------------------------------
+
+
+@pytest.mark.parametrize("keep_index", [True, False], ids=["index", "ignore-index"])
+def test_every_dtype_through_every_path(keep_index):
+    from gpushuffle.backends.cudf import CudfBackend
+
+    backend = CudfBackend()
+    gdf = with_partitions(gpu_frame())
+    meta = gdf.iloc[:0].drop(columns=["_partitions"])
+    if not keep_index:
+        meta = meta.reset_index(drop=True)
+    for p, piece in enumerate(split_pieces(backend, gdf, keep_index)):
+        expected = expected_partition(gdf, p, keep_index)
+        moved = {
+            "device": piece,
+            "host tier": backend.to_device(backend.to_host(piece)),
+            "spill file": backend.deserialize(*backend.serialize(backend.to_host(piece))),
+        }
+        for device_frames in (False, True):
+            header, frames = backend.serialize(piece, device_frames=device_frames)
+            if device_frames:
+                assert any(hasattr(f, "__cuda_array_interface__") for f in frames)
+            else:
+                assert not any(hasattr(f, "__cuda_array_interface__") for f in frames)
+            moved[f"wire (device frames: {device_frames})"] = backend.deserialize(header, frames)
+        for how, table in moved.items():
+            out = backend.assemble([table], table.nrows, meta, keep_index)
+            try:
+                assert_frames_equal(out, expected)
+            except AssertionError as e:
+                raise AssertionError(f"partition {p} via {how}: {e}") from e
+
+
+def test_pieces_in_input_order_with_a_multiindex_and_column_labels():
     import cudf
 
     from gpushuffle.backends.cudf import CudfBackend
 
-    pdf = frame(5000)
-    pdf["_partitions"] = (pdf["key"] % 4).astype(np.int16)
-    gdf = cudf.from_pandas(pdf)
     backend = CudfBackend()
-    table, offsets = backend.split(gdf, "_partitions", np.arange(4, dtype=np.int16), 4, True)
-    meta = gdf.iloc[:0].drop(columns="_partitions")
-    for p in range(4):
-        piece = backend.slice(table, int(offsets[p]), int(offsets[p + 1]))
-        for moved in (piece, backend.to_device(backend.to_host(piece))):
-            out = backend.assemble([moved], moved.nrows, meta, True).to_pandas()
-            expected = pdf[pdf["_partitions"] == p].drop(columns="_partitions")
-            pd.testing.assert_frame_equal(out, expected, check_dtype=False)
-        for device_frames in (False, True):
-            header, frames = backend.serialize(piece, device_frames=device_frames)
-            back = backend.deserialize(header, frames)
-            assert (
-                backend.assemble([back], back.nrows, meta, True)
-                .to_pandas()
-                .equals(backend.assemble([piece], piece.nrows, meta, True).to_pandas())
+    pdf = _pandas_frame(3000, 1)[["key", "row", "f", "s"]]
+    pdf.index = pd.MultiIndex.from_arrays(
+        [np.arange(3000) % 7, np.arange(3000).astype(str)], names=["a", "b"]
+    )
+    pdf.columns.name = "fields"
+    gdf = with_partitions(cudf.from_pandas(pdf))
+    halves = [gdf.iloc[:1500], gdf.iloc[1500:]]
+    meta = gdf.iloc[:0].drop(columns=["_partitions"])
+    pieces = [split_pieces(backend, half) for half in halves]
+    for p in range(NPARTS):
+        out = backend.concat([pieces[0][p], pieces[1][p]], meta, True)
+        assert_frames_equal(out, expected_partition(gdf, p))
+        assert out.columns.name == "fields"
+
+
+def test_categories_differ_between_pieces_and_from_meta():
+    """As pandas' union_categoricals: every label right, categories in order of appearance."""
+    import cudf
+
+    from gpushuffle.backends.cudf import CudfBackend
+
+    backend = CudfBackend()
+    many = [f"c{i:04d}" for i in range(300)]  # > 255 categories: wider codes
+    values = [
+        pd.Categorical(["b", "a", "b"]),
+        pd.Categorical(["z", "a"], categories=["z", "a"]),
+        pd.Categorical(many),
+        pd.Categorical([None, None], categories=pd.Index([], dtype=object)),
+    ]
+    tables = []
+    for column in values:
+        gdf = cudf.DataFrame({"c": cudf.from_pandas(pd.Series(column))})
+        gdf["_partitions"] = np.zeros(len(column), dtype=np.int16)
+        (piece,) = split_pieces(backend, gdf, keep_index=False, nparts=1)
+        tables.append(backend.to_device(backend.to_host(piece)))
+    # pandas' union_categoricals, written out: values as they are, categories
+    # in order of first appearance.
+    expected = pd.Series([v for column in values for v in column], dtype=object)
+    expected_categories = list(dict.fromkeys(c for column in values for c in column.categories))
+    unknown = cudf.DataFrame(
+        {"c": cudf.Series(["__UNKNOWN_CATEGORIES__"], dtype="category").iloc[:0]}
+    )
+    out = backend.concat(tables, unknown, False).to_pandas()
+    pd.testing.assert_series_equal(out["c"].astype(object), expected, check_names=False)
+    assert list(out["c"].cat.categories) == expected_categories
+    # Known categories in meta that cover every value: the output takes meta's dtype.
+    known = cudf.DataFrame(
+        {"c": cudf.Series([], dtype=cudf.CategoricalDtype(["z", "b", "a", *many]))}
+    )
+    out = backend.concat(tables, known, False)
+    assert out["c"].dtype == known["c"].dtype
+    pd.testing.assert_series_equal(out["c"].to_pandas().astype(object), expected, check_names=False)
+
+
+def test_loose_meta_is_cast_and_bad_input_is_rejected():
+    import cudf
+
+    from gpushuffle.backends.cudf import CudfBackend
+    from gpushuffle.errors import ShuffleInputError
+
+    backend = CudfBackend()
+    gdf = with_partitions(cudf.DataFrame({"key": np.arange(100), "v": np.arange(100, dtype="i4")}))
+    meta = gdf.iloc[:0].astype({"v": "f8"})
+    backend.validate(gdf, meta, "_partitions", 0)  # int32 data, float64 meta: castable
+    pieces = split_pieces(backend, gdf)
+    out = backend.concat(pieces, meta.drop(columns=["_partitions"]), True)
+    assert out["v"].dtype == np.float64
+    assert sorted(out["v"].to_pandas()) == list(range(100))
+    bad = meta.astype({"v": "str"})
+    with pytest.raises(ShuffleInputError, match="column 'v'"):
+        backend.validate(gdf, bad, "_partitions", 3)
+
+
+def test_only_the_key_without_the_index():
+    """A table without columns: rows are counted, nothing else travels."""
+    import cudf
+
+    from gpushuffle.backends.cudf import CudfBackend
+
+    backend = CudfBackend()
+    gdf = with_partitions(cudf.DataFrame({"key": np.arange(1000)}))
+    meta = gdf.iloc[:0][[]].reset_index(drop=True)
+    for p, piece in enumerate(split_pieces(backend, gdf.drop(columns=["key"]), keep_index=False)):
+        piece = backend.deserialize(*backend.serialize(backend.to_host(piece)))
+        out = backend.assemble([piece], piece.nrows, meta, False)
+        assert len(out) == int((gdf["_partitions"] == p).sum()) and not len(out.columns)
+
+
+def test_unpack_peak_is_the_output_plus_one_piece():
+    import rmm
+
+    from gpushuffle.backends.cudf import CudfBackend
+
+    backend = CudfBackend()
+    import cudf
+
+    columns = ["key", "row", "i32", "f", "b", "ts"]
+    gdf = with_partitions(cudf.from_pandas(_pandas_frame(200_000, 0)[columns]), 1)
+    meta = gdf.iloc[:0].drop(columns=["_partitions"])
+    pieces = [
+        backend.to_host(piece) for i in range(8) for piece in split_pieces(backend, gdf, nparts=1)
+    ]
+    nrows = sum(p.nrows for p in pieces)
+    output = pieces[0].nbytes * 8
+    previous = rmm.mr.get_current_device_resource()
+    stats = rmm.mr.StatisticsResourceAdaptor(previous)
+    rmm.mr.set_current_device_resource(stats)
+    try:
+        # Like the store: each piece comes up only when asked for, and goes.
+        out = backend.assemble((backend.to_device(p) for p in pieces), nrows, meta, True)
+        peak = stats.allocation_counts.peak_bytes
+    finally:
+        rmm.mr.set_current_device_resource(previous)
+    assert len(out) == nrows
+    assert peak <= output + 2 * pieces[0].nbytes + (16 << 20), (peak, output)
+
+
+def test_device_tables_refuse_pickle():
+    import cudf
+
+    from gpushuffle.backends.cudf import CudfBackend
+
+    backend = CudfBackend()
+    (piece, *_) = split_pieces(backend, with_partitions(cudf.DataFrame({"key": np.arange(10)})))
+    with pytest.raises(TypeError, match="reached plain pickle"):
+        pickle.dumps(piece)
+
+
+def test_store_device_tier_to_disk_and_back(tmp_path):
+    from gpushuffle.backends.cudf import CudfBackend
+    from gpushuffle.engine.memory import TierUsage, WorkerMemory
+    from gpushuffle.engine.store import ShardStore
+    from gpushuffle.transport import Shard
+
+    backend = CudfBackend()
+    gdf = with_partitions(gpu_frame(4000))
+    meta = gdf.iloc[:0].drop(columns=["_partitions"])
+    memory = WorkerMemory(
+        device=TierUsage(limit=64 << 10),
+        host=TierUsage(limit=64 << 10),
+        disk=TierUsage(limit=None),
+        disk_enabled=True,
+    )
+
+    async def offload(func, *args):
+        return func(*args)
+
+    store = ShardStore(backend, memory, str(tmp_path / "spill"), offload, 0.0, "gpu test")
+    inputs = [gdf.iloc[i * 1000 : (i + 1) * 1000] for i in range(4)]
+
+    async def fill():
+        for i in (2, 0, 3, 1):  # arrival order differs from input order
+            table, offsets = backend.split(
+                inputs[i], "_partitions", np.arange(NPARTS, dtype=np.int16), NPARTS, True
             )
+            await store.put(Shard("cudf", i, np.arange(NPARTS), offsets, table, table.nbytes))
+
+    asyncio.run(fill())
+    snapshot = memory.snapshot()
+    assert snapshot["device_to_host_bytes"] > 0 and snapshot["host_to_disk_bytes"] > 0
+    for p in range(NPARTS):
+        nrows, tables = store.read(p)
+        out = backend.assemble(tables, nrows, meta, True)
+        assert_frames_equal(out, expected_partition(gdf, p))  # input order kept
+    assert memory.device.bytes == memory.host.bytes == memory.disk.bytes == 0
+    store.close()
+
+
+# -- shuffles on two worker processes sharing the GPU ------------------------
+
+
+def _init_rmm(dask_worker=None) -> None:
+    import rmm
+
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=1 << 30)
+
+
+@pytest.fixture(scope="module", params=["tcp", "ucx"])
+def gpu_client(request):
+    """Two worker processes on GPU 0, RMM pools, over TCP or UCX."""
+    from distributed import Client, LocalCluster
+
+    protocol = request.param
+    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    settings = {}
+    if protocol == "ucx":
+        pytest.importorskip("distributed_ucxx", reason="the UCX wheels did not travel")
+        env["UCX_TLS"] = "tcp,cuda_copy,cuda_ipc,sm,self"
+        settings = {"distributed-ucxx.create-cuda-context": True}
+    os.environ.update(env)
+    with (
+        dask.config.set(settings),
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            protocol=protocol,
+            dashboard_address=":0",
+            worker_dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.run(_init_rmm)
+        yield client
+
+
+def _wire(dask_worker=None) -> dict[str, int]:
+    from gpushuffle import transport
+
+    return transport.statistics.as_dict()
+
+
+def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = False) -> None:
+    """Each output partition holds the rows ``tasks`` puts there, in input order."""
+    before = client.run(_wire)
+    df = dd.from_pandas(gdf, npartitions=6, sort=False)
+    ours = df.shuffle(
+        on, npartitions=npartitions, ignore_index=ignore_index, shuffle_method="gpushuffle"
+    )
+    assert any("gpushuffle-transfer" in str(k) for k in ours.__dask_graph__())
+    truth = df.shuffle(
+        on, npartitions=npartitions, ignore_index=ignore_index, shuffle_method="tasks"
+    )
+    ours_parts = dask.compute(*ours.to_delayed())
+    truth_parts = dask.compute(*truth.to_delayed())
+    total = 0
+    for i, (a, b) in enumerate(zip(ours_parts, truth_parts, strict=True)):
+        assert type(a).__module__.startswith("cudf"), type(a)
+        a, b = a.to_pandas(), b.to_pandas()
+        assert len(a) == len(b), f"partition {i}: {len(a)} rows, tasks {len(b)}"
+        assert a["row"].is_monotonic_increasing, f"partition {i}: input order lost"
+        pd.testing.assert_series_equal(a.dtypes, b.dtypes)
+        flat = [c for c in a.columns if c not in ("lst", "st")]
+        assert checksum(a[flat], index=not ignore_index) == checksum(
+            b.sort_values("row")[flat], index=not ignore_index
+        ), f"partition {i}"
+        if "lst" in a:
+            b = b.sort_values("row")
+            assert a["lst"].tolist() == b["lst"].tolist() and a["st"].tolist() == b["st"].tolist()
+        total += len(a)
+    assert total == len(gdf)
+    after = client.run(_wire)
+    delta = {k: sum(after[w][k] - before[w][k] for w in after) for k in next(iter(after.values()))}
+    assert delta["wire_shards_sent"] > 0, "no shard crossed the wire"
+    assert (
+        delta["wire_shards_serialized"]
+        == delta["wire_shards_deserialized"]
+        == delta["wire_shards_sent"]
+    )
+    if client.scheduler.address.startswith("ucx"):
+        assert delta["wire_device_frames"] > 0, "UCX carried no device frame"
+    assert_nothing_left_behind(client)
+
+
+def test_shuffle_every_dtype_matches_tasks(gpu_client):
+    check_against_tasks(gpu_client, gpu_frame(20_000), "key", 5)
+
+
+def test_shuffle_string_and_multi_column_keys_ignore_index_empty_outputs(gpu_client):
+    gdf = gpu_frame(3000, seed=3)[["key", "row", "s", "f", "c"]]
+    gdf["s"] = gdf["s"].fillna("none")
+    check_against_tasks(gpu_client, gdf, ["s", "key"], 7)
+    # Few keys, many outputs: most outputs are empty.
+    few = gdf.assign(key=gdf["key"] % 3)
+    check_against_tasks(gpu_client, few, "key", 16, ignore_index=True)
+
+
+def test_shuffle_with_tiny_device_and_host_budgets(gpu_client):
+    import gpushuffle
+    from gpushuffle.engine.memory import reset_worker_memory
+
+    def budgets(limits, dask_worker=None):
+        dask.config.set(limits)
+        reset_worker_memory()
+
+    tiny = {"gpushuffle.memory.device-limit": "256 KiB", "gpushuffle.memory.host-limit": "256 KiB"}
+    defaults = {key: dask.config.get(key) for key in tiny}
+    gpu_client.run(budgets, tiny)
+    try:
+        check_against_tasks(gpu_client, gpu_frame(20_000, seed=4), "key", 4)
+        stats = gpushuffle.statistics(gpu_client)
+        assert (stats["device_to_host_bytes"] > 0).all(), stats
+        assert (stats["host_to_disk_bytes"] > 0).all(), stats
+    finally:
+        gpu_client.run(budgets, defaults)
+
+
+def test_p2p_on_cudf_runs_on_gpushuffle(gpu_client):
+    gdf = gpu_frame(2000)[["key", "row", "f"]]
+    df = dd.from_pandas(gdf, npartitions=3)
+    with dask.config.set({"gpushuffle.p2p-on-cudf": True}):
+        out = df.shuffle("key", shuffle_method="p2p")
+        assert any("gpushuffle-transfer" in str(k) for k in out.__dask_graph__())
+        assert len(out) == 2000
+
+
+# -- the command line ---------------------------------------------------------
+
+
+def test_cli_shuffle_on_cudf(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    pdf = _pandas_frame(20_000, 5)[["key", "row", "f", "s"]].reset_index(drop=True)
+    for i in range(4):
+        pdf.iloc[i * 5000 : (i + 1) * 5000].to_parquet(src / f"part-{i}.parquet", index=False)
+    out = tmp_path / "out"
+    gpushuffle = str(Path(sys.executable).parent / "gpushuffle")
+    command = (
+        [gpushuffle] if os.path.exists(gpushuffle) else [sys.executable, "-m", "gpushuffle.cli"]
+    )
+    proc = subprocess.run(
+        [
+            *command,
+            "shuffle",
+            str(src),
+            str(out),
+            "--on",
+            "key",
+            "--npartitions",
+            "6",
+            "--backend",
+            "cudf",
+            "--json",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["rows"] == len(pdf) and summary["backend"] == "cudf"
+    parts = [pd.read_parquet(f) for f in sorted(out.glob("part.*.parquet"))]
+    assert len(parts) == 6
+    keys = [set(p["key"]) for p in parts]
+    assert sum(len(k) for k in keys) == len(set().union(*keys))  # each key in one file
+    whole = pd.concat(parts, ignore_index=True)
+    assert checksum(whole, index=False) == checksum(pdf.astype(whole.dtypes), index=False)

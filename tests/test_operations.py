@@ -25,7 +25,19 @@ def frames():
 def both(build):
     ours = build("gpushuffle")
     truth = build("tasks")
+    assert_takes_gpushuffle(ours)
     return ours, truth
+
+
+def assert_takes_gpushuffle(collection) -> None:
+    """The graph shuffles with gpushuffle, and with nothing else."""
+    from dask.utils import key_split
+
+    prefixes = {key_split(k) for k in collection.__dask_graph__()}
+    assert "gpushuffle-transfer" in prefixes
+    assert "gpushuffle-unpack" in prefixes or "gpushuffle-join" in prefixes
+    others = {"shuffle-transfer", "hash-join-transfer", "shuffle-split", "shuffle-group"}
+    assert not prefixes & others, prefixes & others
 
 
 def test_merge(client, frames):

@@ -55,3 +55,27 @@ def test_merge_over_ucx(ucx_client):
     truth = pdf.merge(pdf[["key", "f"]].drop_duplicates("key"), on="key")
     assert len(ours) == len(truth)
     assert sorted(ours["row"]) == sorted(truth["row"])
+
+
+def test_every_remote_shard_goes_through_its_backend_over_ucx(ucx_client):
+    """Over UCX, distributed tries the ``cuda`` family first: it must reach Shard's."""
+    from test_transport import _wire, assert_every_shard_serialized, wire_delta
+
+    before = ucx_client.run(_wire)
+    pdf = make_frame(3000, seed=23)
+    df = dd.from_pandas(pdf, npartitions=6, sort=False)
+    check(
+        df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
+        df.shuffle("key", npartitions=4, shuffle_method="tasks"),
+        pdf,
+    )
+    assert_every_shard_serialized(wire_delta(ucx_client, before))
+
+
+def test_device_stand_in_over_ucx(ucx_client):
+    """Tables that refuse pickling cross UCX only through their serializers."""
+    from test_transport import _wire, assert_every_shard_serialized, stand_in_shuffle, wire_delta
+
+    before = ucx_client.run(_wire)
+    stand_in_shuffle(ucx_client)
+    assert_every_shard_serialized(wire_delta(ucx_client, before))

@@ -16,9 +16,25 @@ _LAZY: dict[str, tuple[str, str, str]] = {
 }
 
 
-def register_backend(backend: type[TableBackend]) -> None:
-    """Make ``backend`` available to :func:`backend_for` and the wire format."""
-    _BACKENDS[backend.name] = backend
+def register_backend(backend: type[TableBackend], *, first: bool = False) -> None:
+    """Make ``backend`` available to :func:`backend_for` and the wire format.
+
+    :func:`backend_for` asks backends in registration order; with ``first``
+    this one is asked before the others.
+    """
+    _BACKENDS.pop(backend.name, None)
+    if first:
+        others = dict(_BACKENDS)
+        _BACKENDS.clear()
+        _BACKENDS[backend.name] = backend
+        _BACKENDS.update(others)
+    else:
+        _BACKENDS[backend.name] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Forget the backend registered as ``name`` (a no-op if there is none)."""
+    _BACKENDS.pop(name, None)
 
 
 def _load(name: str) -> type[TableBackend]:
@@ -69,4 +85,11 @@ def available(name: str) -> bool:
     return True
 
 
-__all__ = ["TableBackend", "available", "backend_for", "backend_named", "register_backend"]
+__all__ = [
+    "TableBackend",
+    "available",
+    "backend_for",
+    "backend_named",
+    "register_backend",
+    "unregister_backend",
+]

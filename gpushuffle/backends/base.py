@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
 
 from gpushuffle.errors import ShuffleInputError
+
+
+def refuse_pickle(table: Any) -> NoReturn:
+    """``__reduce__`` of backend tables: they travel only through their backend."""
+    raise TypeError(
+        f"gpushuffle: a {type(table).__name__} reached plain pickle. Tables must be "
+        "sent and spilled through their backend's serialize() (a Shard in a list "
+        "given to gpushuffle.transport.wire_payload), never pickled: device tables would "
+        "carry raw device addresses."
+    )
 
 
 def check_frame(
@@ -184,3 +194,43 @@ class TableBackend(abc.ABC):
     @abc.abstractmethod
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> Any:
         """Inverse of :meth:`serialize`."""
+
+    def merge(
+        self,
+        left: Any,
+        right: Any,
+        *,
+        how: str,
+        left_on: Any,
+        right_on: Any,
+        left_index: bool,
+        right_index: bool,
+        suffixes: tuple[str, str],
+        indicator: bool,
+        meta: Any,
+    ) -> Any:
+        """Join two assembled output partitions: one output partition of a join.
+
+        Called by the hash join's unpack task with both sides' rows for one
+        output partition (rows with equal keys are in the same partition on
+        both sides).  ``how`` is one of dask's p2p join types (``inner``,
+        ``left``, ``right``, ``outer``, ``leftsemi``); the other arguments
+        are ``DataFrame.merge``'s; ``meta`` is dask's meta of the join, and
+        the result must have its columns and dtypes.  The default is dask's
+        own ``merge_chunk`` (the function ``p2p``'s and ``tasks``' joins call
+        on each partition), which dispatches to the frame type's ``merge``.
+        """
+        from gpushuffle._distributed import merge_chunk
+
+        return merge_chunk(
+            left,
+            right,
+            how=how,
+            left_on=left_on,
+            right_on=right_on,
+            left_index=left_index,
+            right_index=right_index,
+            suffixes=suffixes,
+            indicator=indicator,
+            result_meta=meta,
+        )

@@ -3,78 +3,140 @@
 Imported only when a collection's meta is a ``cudf.DataFrame`` (see
 :func:`gpushuffle.backends.backend_for`), so the package works without cuDF.
 
+Tables and tiers
+----------------
+A :class:`CudfTable` is either *on the device* (``parts``: pylibcudf tables)
+or *packed on the host* (``packed``: ``pack`` metadata and a host copy of the
+packed data, per part).  Part 0 holds the rows: meta's columns, then the index
+columns unless the shuffle ignores the index.  Each categorical column adds
+one part: its categories, which travel with its codes, because partitions may
+carry categories that differ from each other and from meta's (dask_cudf's
+meta often has unknown categories).
+
+=================  ===================================  =====================
+call               takes                                returns
+=================  ===================================  =====================
+``split``          a cuDF frame                         a device table
+``slice``          a device table                       a device table (view)
+``to_host``        a device table                       a packed table
+``to_device``      a packed table                       a device table
+``serialize``      either                               header and frames
+``deserialize``    frames (wire or spill file)          a device table
+``assemble``       device tables                        a cuDF frame
+=================  ===================================  =====================
+
 Data path
 ---------
 split
     The partition-id column is mapped to each row's rank with a device
-    gather, and the rows are reordered by rank with one *stable* device sort
-    (``pylibcudf.sorting.stable_sort_by_key``).  ``pylibcudf.partitioning.partition``
-    would be a single scatter pass, but it leaves the order within a
-    partition undefined, and gpushuffle promises rows in input order, as
-    ``p2p`` does.  Offsets per rank come from a device ``lower_bound``: one
-    small device -> host copy of ``nranks + 1`` integers per input partition.
-slice
-    ``pylibcudf.copying.slice``: views, no copy.
+    gather; one *stable* sort of the ranks gives the order, and one gather
+    reorders the rows.  ``pylibcudf.partitioning.partition`` would be a single
+    scatter pass, but it leaves the order within a partition undefined, and
+    gpushuffle promises rows in input order, as ``p2p`` does.  Offsets per
+    rank come from a device ``lower_bound``: one small device -> host copy of
+    ``nranks + 1`` integers per input partition.
 wire
-    ``pylibcudf.contiguous_split.pack``: host metadata bytes plus one device
-    buffer.  In distributed's ``cuda`` serializer family (UCX) the device
-    buffer travels as a CUDA frame, device to device; in the ``dask`` family
-    (TCP) it is copied to host memory first and back to the device on arrival.
+    In distributed's ``cuda`` serializer family (UCX) each part is packed
+    (``pylibcudf.contiguous_split.pack``) and its device buffer travels as a
+    CUDA frame, device to device.  In the ``dask`` family (TCP) and when a
+    table moves to host memory, each part is packed straight into host memory
+    through a bounded device staging buffer (``ChunkedPack.pack_to_host``), so
+    moving a table off a full device never allocates a device copy of it.
     Unpacking (``unpack_from_memoryviews``) reads only host metadata.
-host tier
-    A device table moved off the GPU is kept packed: its metadata and a host
-    copy of its device buffer.
 assemble
-    ``pylibcudf.concatenate.concatenate`` of the pieces in input order, then
-    the ``cudf.DataFrame`` is rebuilt from ``meta``: names from meta, dtypes
-    restored with ``_with_type_metadata`` (categories, decimals, structs),
-    index columns set back as the index.  No device -> host copy happens to
-    learn the schema.  Unlike the pandas backend, this concatenation holds
-    the pieces and the output at once (about twice the output partition on
-    the device).
+    Output columns of fixed width are allocated once and each piece is copied
+    into place (``copy_range_in_place``), cast to meta's type first where the
+    data's type differs (dask's meta is often loose); the store releases a
+    piece as soon as the next is asked for, so such columns cost the output
+    plus one piece.  Strings, lists and structs cannot be filled in place:
+    their pieces are kept and concatenated at the end.  Categorical columns
+    are concatenated at the end too, over the union of the pieces'
+    categories in order of appearance (as ``union_categoricals`` does for
+    pandas), and given meta's categories when those are known and cover
+    every value.  The frame is rebuilt like meta (``_from_columns_like_self``:
+    column labels, their names and dtype, the index and its names), so no
+    device -> host copy happens to learn a schema.
 
-The index travels as extra columns at the end of the table.  This module has
-been type-checked against pylibcudf 26.10's stubs (``ci/typecheck_gpu.sh``)
-but, at the time of writing, never run on a GPU: see the README's
-"Validated on" table.
+The module has been type-checked against pylibcudf 26.10's stubs
+(``ci/typecheck_gpu.sh``); see the README's "Validated on" table for what has
+run on a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import cudf
 import cupy
 import numpy as np
+import pandas as pd
 import pylibcudf as plc
 import rmm
 from cudf.core.column import ColumnBase
+from cudf.utils.dtypes import dtype_to_pylibcudf_type
 
-from gpushuffle.backends.base import TableBackend, check_frame
-from gpushuffle.backends.columns import assemble_columns
+from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
+from gpushuffle.backends.pandas import dtype_family
+from gpushuffle.errors import ShuffleInputError
 
-_INDEX_PREFIX = "__gpushuffle_index_"
+#: Device staging buffer of ChunkedPack when packing into host memory.
+STAGING_BYTES = 64 << 20
+_MIN_STAGING_BYTES = 1 << 20  # ChunkedPack's minimum
+_UNKNOWN_CATEGORIES = "__UNKNOWN_CATEGORIES__"  # dask's marker in meta
 
 
-@dataclass
+@dataclass(eq=False)
 class CudfTable:
-    """Rows of a cuDF frame: device columns (meta's columns, then the index).
+    """Rows of a cuDF frame, on the device (``parts``) or packed on the host.
 
-    On the device, ``table`` holds them; moved to host, ``packed`` holds the
-    ``pack`` metadata and a host copy of the packed device buffer.
+    ``parts[0]`` holds the rows (meta's columns, then the index); one more
+    part per categorical column holds its categories.  A table without
+    columns (only the key was shuffled, without the index) has an empty
+    ``parts[0]`` and only ``nrows``.
     """
 
     nrows: int
     nbytes: int
-    table: plc.Table | None = None
-    packed: tuple[bytes, np.ndarray] | None = None
+    parts: list[plc.Table] | None = None
+    packed: list[tuple[bytes, Any]] | None = None
+
+    def __reduce__(self) -> Any:
+        # A pylibcudf table pickles its raw device address.
+        refuse_pickle(self)
+
+    @property
+    def rows(self) -> plc.Table:
+        assert self.parts is not None, "a device table was expected, not a packed one"
+        return self.parts[0]
+
+
+def _family(dtype: Any) -> str:
+    if isinstance(dtype, cudf.CategoricalDtype):
+        return "category"
+    if isinstance(dtype, cudf.core.dtypes.DecimalDtype):
+        return "decimal"
+    if isinstance(dtype, cudf.ListDtype | cudf.StructDtype | cudf.IntervalDtype | pd.ArrowDtype):
+        # Nested types are not cast: they must match exactly.
+        return f"exactly {dtype}"
+    return dtype_family(dtype)
+
+
+def _column_dtypes(frame: Any, keep_index: bool) -> list[Any]:
+    dtypes = [column.dtype for column in frame._columns]
+    if keep_index:
+        dtypes += [column.dtype for column in frame.index._columns]
+    return dtypes
 
 
 class CudfBackend(TableBackend):
     name = "cudf"
     tier = "device"
+
+    def __init__(self) -> None:
+        # Categories of meta's categorical columns, read once per meta.
+        self._known_categories: dict[int, dict[int, Any]] = {}
 
     @classmethod
     def handles(cls, meta: Any) -> bool:
@@ -82,6 +144,21 @@ class CudfBackend(TableBackend):
 
     def validate(self, frame: Any, meta: Any, column: str, input_partition: int) -> None:
         check_frame(frame, meta, cudf.DataFrame, input_partition, column)
+        for name, actual, expected in zip(
+            meta._column_names,
+            _column_dtypes(frame, False),
+            _column_dtypes(meta, False),
+            strict=True,
+        ):
+            if actual != expected and _family(actual) != _family(expected):
+                raise ShuffleInputError(
+                    f"gpushuffle: column {name!r} of input partition {input_partition} "
+                    f"has dtype {actual}, but the collection's meta says {expected}, and "
+                    "one cannot be cast to the other. Fix the data (`astype`) or the "
+                    "meta (`map_partitions(..., meta=...)`) so they agree."
+                )
+
+    # -- transfer -----------------------------------------------------------
 
     def split(
         self,
@@ -92,22 +169,22 @@ class CudfBackend(TableBackend):
         keep_index: bool,
     ) -> tuple[CudfTable, np.ndarray]:
         data = frame.drop(columns=[column])
-        columns = [data._data[name].to_pylibcudf() for name in data._column_names]
+        columns = [c.to_pylibcudf() for c in data._columns]
+        categorical = [c for c in data._columns if isinstance(c.dtype, cudf.CategoricalDtype)]
         if keep_index:
-            columns += [c.to_pylibcudf() for c in data.index._columns]
-        table = plc.Table(columns)
+            index_columns = data.index._columns
+            columns += [c.to_pylibcudf() for c in index_columns]
+            categorical += [c for c in index_columns if isinstance(c.dtype, cudf.CategoricalDtype)]
         # rank[partition id] for every row, on the device.
         ranks = plc.Column.from_array(cupy.asarray(rank))
         partition_ids = frame._data[column].to_pylibcudf()
         keys = plc.copying.gather(
             plc.Table([ranks]), partition_ids, plc.copying.OutOfBoundsPolicy.DONT_CHECK
         )
-        ordered = plc.sorting.stable_sort_by_key(
-            table, keys, [plc.types.Order.ASCENDING], [plc.types.NullOrder.AFTER]
-        )
-        sorted_keys = plc.sorting.stable_sort(
+        order = plc.sorting.stable_sorted_order(
             keys, [plc.types.Order.ASCENDING], [plc.types.NullOrder.AFTER]
         )
+        sorted_keys = plc.copying.gather(keys, order, plc.copying.OutOfBoundsPolicy.DONT_CHECK)
         needles = plc.Column.from_array(cupy.arange(nranks + 1, dtype=rank.dtype))
         bounds = plc.search.lower_bound(
             sorted_keys,
@@ -115,60 +192,110 @@ class CudfBackend(TableBackend):
             [plc.types.Order.ASCENDING],
             [plc.types.NullOrder.AFTER],
         )
-        offsets = cupy.asnumpy(cupy.asarray(ColumnBase.from_pylibcudf(bounds).values)).astype(
-            np.int64
-        )
-        # Rows of rank ``nranks`` (outputs nobody asked for) lie past offsets[-1].
-        nbytes = int(data.memory_usage(index=keep_index, deep=True).sum())
+        offsets = cupy.asnumpy(cupy.asarray(bounds)).astype(np.int64)
+        # Rows of rank ``nranks`` (outputs nobody asked for) sort last: cut them.
         nrows = int(offsets[-1])
         if nrows < len(frame):
-            ordered = plc.copying.slice(ordered, [0, nrows])[0]
-            nbytes = nbytes * nrows // max(len(frame), 1)
-        return CudfTable(nrows=nrows, nbytes=nbytes, table=ordered), offsets
+            order = plc.copying.slice(order, [0, nrows])[0]
+        if columns:
+            rows = plc.copying.gather(
+                plc.Table(columns), order, plc.copying.OutOfBoundsPolicy.DONT_CHECK
+            )
+            nbytes = sum(int(c.device_buffer_size()) for c in rows.columns())
+        else:
+            rows, nbytes = plc.Table([]), 0
+        parts = [rows] + [plc.Table([c.categories.to_pylibcudf()]) for c in categorical]
+        nbytes += sum(int(p.columns()[0].device_buffer_size()) for p in parts[1:])
+        return CudfTable(nrows=nrows, nbytes=nbytes, parts=parts), offsets
 
     def slice(self, table: CudfTable, start: int, stop: int) -> CudfTable:
-        assert table.table is not None, "slice device tables"
-        view = plc.copying.slice(table.table, [start, stop])[0]
+        assert table.parts is not None, "slice device tables"
+        rows = table.rows
+        view = plc.copying.slice(rows, [start, stop])[0] if rows.num_columns() else rows
         return CudfTable(
             nrows=stop - start,
             nbytes=table.nbytes * (stop - start) // max(table.nrows, 1),
-            table=view,
+            # Categories are shared by every slice of a table.
+            parts=[view, *table.parts[1:]],
         )
 
-    def assemble(self, tables: Iterable[Any], nrows: int, meta: Any, keep_index: bool) -> Any:
-        # Each fixed-width output column is allocated once and every piece
-        # copied into it as the store brings it up, so the device holds the
-        # output plus one piece (plus copies of variable-width columns),
-        # not all pieces and their concatenation at once.
-        columns = assemble_columns(_device_columns(tables), nrows, _PlcColumns())
-        if columns is None:
-            return self.empty(meta)
-        return self._frame(plc.Table(columns), meta, keep_index)
+    # -- tiers and the wire --------------------------------------------------
 
-    def _frame(self, table: plc.Table, meta: Any, keep_index: bool) -> Any:
-        columns = table.columns()
-        ndata = len(meta.columns)
-        data = {
-            name: ColumnBase.create(col, dtype)
-            for name, col, dtype in zip(meta.columns, columns[:ndata], meta.dtypes, strict=True)
-        }
-        out = cudf.DataFrame._from_data(data)
-        if keep_index:
-            index_frame = cudf.DataFrame._from_data(
-                {
-                    f"{_INDEX_PREFIX}{i}": ColumnBase.create(col, dtype)
-                    for i, (col, dtype) in enumerate(
-                        zip(columns[ndata:], _index_dtypes(meta.index), strict=True)
-                    )
-                }
-            )
-            index = (
-                cudf.MultiIndex.from_frame(index_frame, names=meta.index.names)
-                if isinstance(meta.index, cudf.MultiIndex)
-                else cudf.Index(index_frame.iloc[:, 0], name=meta.index.name)
-            )
-            out.index = index
-        return out
+    def to_host(self, table: CudfTable) -> CudfTable:
+        assert table.parts is not None, "to_host takes a device table"
+        return CudfTable(
+            table.nrows, table.nbytes, packed=[_pack_to_host(p, table.nbytes) for p in table.parts]
+        )
+
+    def to_device(self, table: CudfTable) -> CudfTable:
+        assert table.packed is not None, "to_device takes a table packed on the host"
+        parts = [_unpack(metadata, _to_device(data)) for metadata, data in table.packed]
+        return CudfTable(table.nrows, table.nbytes, parts=parts)
+
+    def serialize(
+        self, table: CudfTable, *, device_frames: bool = False
+    ) -> tuple[dict[str, Any], list[Any]]:
+        if table.packed is not None:
+            packed = table.packed
+        else:
+            assert table.parts is not None
+            if device_frames:
+                # UCX sends frames exposing __cuda_array_interface__ device to device.
+                packed = [_pack_on_device(p) for p in table.parts]
+            else:
+                packed = [_pack_to_host(p, table.nbytes) for p in table.parts]
+        frames: list[Any] = []
+        for metadata, data in packed:
+            frames += [metadata, data]
+        return {"nrows": table.nrows, "nbytes": table.nbytes, "nparts": len(packed)}, frames
+
+    def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> CudfTable:
+        # Frames from UCX arrive as device buffers (rmm.DeviceBuffer from the
+        # current resource); from TCP or a spill file as host memory.  Either
+        # way the table comes back on the device.
+        parts = [
+            _unpack(bytes(frames[2 * i]), _to_device(frames[2 * i + 1]))
+            for i in range(header["nparts"])
+        ]
+        return CudfTable(nrows=header["nrows"], nbytes=header["nbytes"], parts=parts)
+
+    # -- unpack -------------------------------------------------------------
+
+    def assemble(self, tables: Iterable[Any], nrows: int, meta: Any, keep_index: bool) -> Any:
+        known = self._categories_of(meta, keep_index)
+        builders = [
+            _ColumnBuilder(dtype, nrows, known.get(i))
+            for i, dtype in enumerate(_column_dtypes(meta, keep_index))
+        ]
+        for table in tables:
+            assert table.parts is not None, "assemble takes device tables"
+            categories = iter(table.parts[1:])
+            for builder, column in zip(builders, table.rows.columns(), strict=True):
+                builder.add(column, next(categories) if builder.categorical else None)
+            del table  # let the store release this piece before the next
+        columns = [builder.finish() for builder in builders]
+        if not columns:
+            return cudf.DataFrame(index=cudf.RangeIndex(nrows))
+        ndata = len(meta._column_names)
+        if not keep_index:
+            return meta._from_columns_like_self(columns[:ndata])
+        return meta._from_columns_like_self(
+            columns[ndata:] + columns[:ndata], index_names=list(meta.index.names)
+        )
+
+    def _categories_of(self, meta: Any, keep_index: bool) -> dict[int, Any]:
+        """Known categories of meta's categorical columns, by table position."""
+        key = id(meta)
+        if key not in self._known_categories:
+            known = {}
+            for i, dtype in enumerate(_column_dtypes(meta, keep_index)):
+                if isinstance(dtype, cudf.CategoricalDtype):
+                    categories = dtype.categories
+                    # One small copy of meta's categories, once per meta.
+                    if _UNKNOWN_CATEGORIES not in categories.to_pandas():
+                        known[i] = categories._column
+            self._known_categories = {key: known}
+        return self._known_categories[key]
 
     def empty(self, meta: Any) -> Any:
         return meta.copy()
@@ -179,101 +306,154 @@ class CudfBackend(TableBackend):
     def nrows(self, table: CudfTable) -> int:
         return table.nrows
 
-    def to_host(self, table: CudfTable) -> CudfTable:
-        assert table.table is not None
-        metadata, device = plc.contiguous_split.pack(table.table).release()
-        host = cupy.asnumpy(cupy.asarray(device).view(cupy.uint8))
-        return CudfTable(table.nrows, table.nbytes, packed=(bytes(metadata), host))
 
-    def to_device(self, table: CudfTable) -> CudfTable:
-        assert table.packed is not None
-        metadata, host = table.packed
-        return _unpack(table.nrows, table.nbytes, metadata, rmm.DeviceBuffer.to_device(host))
+class _ColumnBuilder:
+    """One output column, filled piece by piece (see the module docstring)."""
 
-    def serialize(
-        self, table: CudfTable, *, device_frames: bool = False
-    ) -> tuple[dict[str, Any], list[Any]]:
-        header = {"nrows": table.nrows, "nbytes": table.nbytes}
-        if table.packed is not None:
-            metadata, host = table.packed
-            return header, [metadata, host]
-        assert table.table is not None
-        metadata_view, device = plc.contiguous_split.pack(table.table).release()
-        if device_frames:
-            # UCX sends frames exposing __cuda_array_interface__ device to device.
-            return header, [bytes(metadata_view), device]
-        return header, [bytes(metadata_view), cupy.asnumpy(cupy.asarray(device))]
+    def __init__(self, dtype: Any, nrows: int, known_categories: Any = None) -> None:
+        self.dtype = dtype
+        self.nrows = nrows
+        self.categorical = isinstance(dtype, cudf.CategoricalDtype)
+        self.known_categories = known_categories
+        self.type = None if self.categorical else dtype_to_pylibcudf_type(dtype)
+        self.fill = self.type is not None and plc.traits.is_fixed_width(self.type)
+        self.out: plc.Column | None = None
+        if self.fill:
+            assert self.type is not None
+            self.out = plc.column_factories.make_fixed_width_column(
+                self.type, nrows, plc.types.MaskState.UNALLOCATED
+            )
+        self.position = 0
+        self.pieces: list[tuple[plc.Column, plc.Table | None]] = []
 
-    def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> CudfTable:
-        metadata, data = frames
-        if hasattr(data, "__cuda_array_interface__"):
-            buffer = data  # received as an rmm.DeviceBuffer from the pool
+    def add(self, column: plc.Column, categories: plc.Table | None) -> None:
+        if self.out is not None:
+            assert self.type is not None
+            if column.type() != self.type:
+                column = plc.unary.cast(column, self.type)
+            if column.null_count() and self.out.null_mask() is None:
+                mask = plc.null_mask.create_null_mask(self.nrows, plc.types.MaskState.ALL_VALID)
+                self.out = self.out.with_mask(mask, 0)
+            plc.copying.copy_range_in_place(column, self.out, 0, column.size(), self.position)
         else:
-            buffer = rmm.DeviceBuffer.to_device(memoryview(data).cast("B"))
-        return _unpack(header["nrows"], header["nbytes"], bytes(metadata), buffer)
+            self.pieces.append((column, categories))
+        self.position += column.size()
 
+    def finish(self) -> ColumnBase:
+        if self.out is not None:
+            return ColumnBase.create(self.out, self.dtype)
+        if self.categorical:
+            return self._categorical()
+        columns = [column for column, _ in self.pieces]
+        whole = columns[0].copy() if len(columns) == 1 else plc.concatenate.concatenate(columns)
+        return ColumnBase.create(whole, self.dtype)
 
-def _device_columns(tables: Iterable[CudfTable]) -> Iterator[Sequence[plc.Column]]:
-    """Each non-empty table's columns, holding no table while the next is brought up."""
-    for table in tables:
-        if not table.nrows:
-            continue
-        assert table.table is not None, "pieces must be on the device"
-        columns = table.table.columns()
-        del table
-        yield columns
-        del columns
+    def _categorical(self) -> ColumnBase:
+        """Codes over the union of the pieces' categories (then meta's, if known)."""
+        pieces = []
+        for piece_codes, piece_categories in self.pieces:
+            assert piece_categories is not None
+            piece_dtype = cudf.CategoricalDtype(
+                categories=ColumnBase.from_pylibcudf(piece_categories.columns()[0]),
+                ordered=self.dtype.ordered,
+            )
+            pieces.append(ColumnBase.create(piece_codes, piece_dtype))
+        non_empty = [p.categories.to_pylibcudf() for p in pieces if len(p.categories)]
+        if non_empty:
+            union = plc.stream_compaction.stable_distinct(
+                plc.Table([plc.concatenate.concatenate(non_empty)]),
+                [0],
+                plc.stream_compaction.DuplicateKeepOption.KEEP_FIRST,
+                plc.types.NullEquality.EQUAL,
+                plc.types.NanEquality.ALL_EQUAL,
+            )
+            categories = ColumnBase.from_pylibcudf(union.columns()[0])
+        else:
+            categories = pieces[0].categories
+        dtype = cudf.CategoricalDtype(categories=categories, ordered=self.dtype.ordered)
+        codes_type = dtype_to_pylibcudf_type(dtype)
+        codes = []
+        for piece in pieces:
+            remapped = piece._set_categories(categories, is_unique=True)
+            code_column = remapped.plc_column
+            if code_column.type() != codes_type:
+                code_column = plc.unary.cast(code_column, codes_type)
+            codes.append(code_column)
+        whole = codes[0] if len(codes) == 1 else plc.concatenate.concatenate(codes)
+        out = ColumnBase.create(whole, dtype)
+        known = self.known_categories
+        if known is not None and bool(
+            cudf.Index._from_column(categories).isin(cudf.Index._from_column(known)).all()
+        ):
+            # meta's categories cover every value: the output gets meta's dtype.
+            out = out._set_categories(known, is_unique=True, ordered=bool(self.dtype.ordered))
+        return out
 
-
-class _PlcColumns:
-    """:class:`~gpushuffle.backends.columns.ColumnOps` for pylibcudf columns."""
-
-    def size(self, column: plc.Column) -> int:
-        return column.size()
-
-    def null_count(self, column: plc.Column) -> int:
-        return column.null_count()
-
-    def fits(self, column: plc.Column, out: plc.Column) -> bool:
-        return column.type() == out.type()
-
-    def fixed_width(self, column: plc.Column) -> bool:
-        return plc.traits.is_fixed_width(column.type())
-
-    def allocate(self, like: plc.Column, nrows: int) -> plc.Column:
-        # An initialized (all valid) mask: copy_range_in_place updates the
-        # null count from the bits it overwrites, and pieces without a mask
-        # are copied as valid.  finish() drops the mask if nothing is null.
-        return plc.column_factories.make_fixed_width_column(
-            like.type(), nrows, plc.types.MaskState.ALL_VALID
+    def merge(
+        self,
+        left: Any,
+        right: Any,
+        *,
+        how: str,
+        left_on: Any,
+        right_on: Any,
+        left_index: bool,
+        right_index: bool,
+        suffixes: tuple[str, str],
+        indicator: bool,
+        meta: Any,
+    ) -> Any:
+        # One cuDF hash join of the two assembled device frames.  "leftsemi"
+        # is a cuDF join type of its own (pandas needs the right side's
+        # duplicates dropped first); cuDF raises for indicator=True.
+        out = left.merge(
+            right,
+            how=how,
+            left_on=left_on,
+            right_on=right_on,
+            left_index=left_index,
+            right_index=right_index,
+            suffixes=suffixes,
+            indicator=indicator,
         )
-
-    def copy_into(self, column: plc.Column, out: plc.Column, position: int) -> None:
-        plc.copying.copy_range_in_place(column, out, 0, column.size(), position)
-
-    def head(self, out: plc.Column, nrows: int) -> plc.Column:
-        return plc.copying.slice(out, [0, nrows])[0]
-
-    def copy(self, column: plc.Column) -> plc.Column:
-        return column.copy()
-
-    def concatenate(self, columns: Sequence[plc.Column]) -> plc.Column:
-        return plc.concatenate.concatenate(list(columns))
-
-    def finish(self, out: plc.Column, nulls: int) -> plc.Column:
-        if not nulls:
-            return out.with_mask(None, 0)
-        return out.with_mask(out.null_mask(), nulls)
+        if list(out.columns) != list(meta.columns):
+            out = out[list(meta.columns)]
+        return out
 
 
-def _unpack(nrows: int, nbytes: int, metadata: bytes, device: Any) -> CudfTable:
-    table = plc.contiguous_split.unpack_from_memoryviews(
+def _staging_bytes(nbytes: int) -> int:
+    return max(_MIN_STAGING_BYTES, min(STAGING_BYTES, nbytes))
+
+
+def _pack_to_host(part: plc.Table, nbytes: int) -> tuple[bytes, Any]:
+    """Pack ``part`` into host memory through a bounded device staging buffer."""
+    if not part.num_columns():
+        return b"", np.empty(0, np.uint8)
+    size = _staging_bytes(nbytes)
+    packer = plc.contiguous_split.ChunkedPack.create(part, size)
+    metadata, data = packer.pack_to_host(rmm.DeviceBuffer(size=size))
+    return bytes(metadata), data
+
+
+def _pack_on_device(part: plc.Table) -> tuple[bytes, Any]:
+    if not part.num_columns():
+        return b"", np.empty(0, np.uint8)
+    if not part.num_rows():
+        # pack() of a table without rows has no device data to release.
+        return _pack_to_host(part, 0)
+    metadata, device = plc.contiguous_split.pack(part).release()
+    return bytes(metadata), device
+
+
+def _to_device(data: Any) -> Any:
+    if hasattr(data, "__cuda_array_interface__"):
+        return data
+    return rmm.DeviceBuffer.to_device(memoryview(data).cast("B"))
+
+
+def _unpack(metadata: bytes, device: Any) -> plc.Table:
+    if not metadata:
+        return plc.Table([])
+    return plc.contiguous_split.unpack_from_memoryviews(
         memoryview(metadata), plc.gpumemoryview(device)
     )
-    return CudfTable(nrows=nrows, nbytes=nbytes, table=table)
-
-
-def _index_dtypes(index: Any) -> list[Any]:
-    if isinstance(index, cudf.MultiIndex):
-        return list(index.dtypes)
-    return [index.dtype]

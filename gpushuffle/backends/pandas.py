@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends.base import TableBackend, check_frame
+from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
@@ -39,6 +39,11 @@ class PandasTable:
 
     def __len__(self) -> int:
         return len(self.columns[0]) if self.columns else len(self.index or ())
+
+    def __reduce__(self) -> Any:
+        # Shards travel through PandasBackend.serialize (pickle protocol 5,
+        # buffers out of band); reaching plain pickle means a bypass.
+        refuse_pickle(self)
 
 
 def _column_values(frame: pd.DataFrame, i: int) -> Any:
@@ -154,7 +159,8 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
     return out
 
 
-def _family(dtype: Any) -> str:
+def dtype_family(dtype: Any) -> str:
+    """A coarse kind of data: dtypes of one family can be cast to each other."""
     if isinstance(dtype, pd.CategoricalDtype):
         return "category"
     if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
@@ -178,7 +184,7 @@ def _compatible(actual: Any, expected: Any) -> bool:
     cast at unpack.  Different kinds of data (numbers against strings, naive
     against tz-aware timestamps) are an error in the input.
     """
-    a, e = _family(actual), _family(expected)
+    a, e = dtype_family(actual), dtype_family(expected)
     if a == e:
         return True
     # Strings and categories of strings stand for each other; object columns

@@ -51,6 +51,9 @@ class WorkerMemory:
     host: TierUsage
     disk: TierUsage
     disk_enabled: bool
+    #: Whether the device budget was read; only runs of device backends ask,
+    #: so CPU workers never touch a GPU (a CUDA context costs device memory).
+    device_known: bool = False
     moves: dict[tuple[str, str], Movement] = field(default_factory=dict)
     runs_started: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the
@@ -115,13 +118,43 @@ _MEMORY: WorkerMemory | None = None
 _MEMORY_LOCK = threading.Lock()
 
 
-def worker_memory() -> WorkerMemory:
-    """This process's budgets, read from ``gpushuffle.memory`` and ``gpushuffle.storage``."""
+def worker_memory(device_sharers: int | None = None) -> WorkerMemory:
+    """This process's budgets, read from ``gpushuffle.memory`` and ``gpushuffle.storage``.
+
+    ``device_sharers`` (given by runs whose tables live on the device) is how
+    many workers share this worker's GPU: the first such call reads the
+    device budget, a fraction of the device's memory divided among them.
+    """
     global _MEMORY
     with _MEMORY_LOCK:
         if _MEMORY is None:
             _MEMORY = _from_config()
+        if device_sharers is not None and not _MEMORY.device_known:
+            _MEMORY.device.limit = _device_limit(device_sharers)
+            _MEMORY.device_known = True
         return _MEMORY
+
+
+def _device_limit(sharers: int) -> int | None:
+    """``gpushuffle.memory.device-limit`` in bytes for this worker.
+
+    A fraction applies to dask-cuda's device memory limit where the worker
+    has one (else to the device's memory), divided among the workers that
+    share the GPU; bytes are taken as given.
+    """
+    from gpushuffle import config
+
+    limit = config.get("memory.device-limit")
+    if limit is None:
+        return None
+    if not (isinstance(limit, float) and 0 <= limit <= 1):
+        return config.parse_budget(limit, None, "memory.device-limit")
+    total = config.device_memory_total()
+    if total is None:
+        return None  # no usable device: nothing is charged there
+    spill = config.device_spill_limit()
+    base = min(total, spill) if spill else total
+    return config.parse_budget(limit, base // max(1, sharers), "memory.device-limit")
 
 
 def reset_worker_memory() -> None:
@@ -170,17 +203,9 @@ def _from_config() -> WorkerMemory:
     host_limit = config.get("memory.host-limit")
     auto = host_limit == "auto"
     disk_enabled = bool(config.get("storage.disk"))
-    device_total = config.device_memory_total()
-    device_limit = config.get("memory.device-limit")
-    if device_total is None and isinstance(device_limit, float):
-        # No usable device: nothing can be charged to the device tier.
-        device_limit = None
     return WorkerMemory(
-        device=TierUsage(
-            limit=None
-            if device_limit is None
-            else config.parse_budget(device_limit, device_total, "memory.device-limit")
-        ),
+        # Read when a device backend's run first asks (worker_memory()).
+        device=TierUsage(limit=None),
         host=TierUsage(
             limit=auto_host_limit(disk_enabled)
             if auto

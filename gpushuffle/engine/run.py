@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
+from distributed.comm import get_address_host
 from distributed.core import ErrorMessage, OKMessage
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
@@ -23,10 +24,10 @@ from distributed.utils_comm import retry
 from gpushuffle import config
 from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
-from gpushuffle.engine.memory import worker_memory
+from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
-from gpushuffle.transport import Shard
+from gpushuffle.transport import Shard, wire_payload
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
@@ -85,7 +86,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             meta_out = meta_out.reset_index(drop=True)
         self.meta_out = meta_out
         self.worker_for = worker_for
-        memory = worker_memory()
+        on_device = self.backend.tier == DEVICE
+        memory = worker_memory(
+            device_sharers=_workers_sharing_the_gpu(worker.address, worker_for.values())
+            if on_device
+            else None
+        )
         memory.runs_started += 1
         self.send_timeout = parse_timedelta(config.get("comm.timeout"), default="s") or None
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
@@ -241,6 +247,22 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
 
+    async def _send(
+        self, address: str, shards: list[tuple[tuple[int, int], Shard]] | bytes
+    ) -> OKMessage | ErrorMessage:
+        # The message carries a list of Shard objects, so that distributed
+        # hands each to the serializer registered for it (its backend's, in
+        # the ``dask`` family on TCP and the ``cuda`` family on UCX).  The
+        # base class sends the (key, shard) tuples, which distributed pickles
+        # whole without ever reaching those serializers.
+        assert not isinstance(shards, bytes)
+        self.raise_if_closed()
+        return await self.rpc(address).shuffle_receive(
+            data=wire_payload([shard for _, shard in shards]),
+            shuffle_id=self.id,
+            run_id=self.run_id,
+        )
+
     async def _unless_closing(self, awaitable: Awaitable[T]) -> T:
         """Await ``awaitable``; if the run starts closing first, cancel it instead."""
         work = asyncio.ensure_future(awaitable)
@@ -259,9 +281,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             raise ShuffleClosedError(f"{self} was closed while sending")
         return work.result()
 
-    async def _receive(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
+    async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()
-        await self._store(data)
+        await self._store([((shard.input_partition, shard.chunk), shard) for shard in data])
 
     async def _store(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
         for key, shard in data:
@@ -310,3 +332,21 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def deserialize(self, buffer: Any) -> Any:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")
+
+
+def _workers_sharing_the_gpu(address: str, workers: Iterable[str]) -> int:
+    """How many workers of a run likely share this worker's GPU.
+
+    Workers on the same host as ``address``, spread over the host's GPUs
+    (NVML counts them without a CUDA context): dask-cuda runs one worker per
+    GPU (1), two workers on a one-GPU machine share it (2).
+    """
+    host = get_address_host(address)
+    local = len({w for w in workers if get_address_host(w) == host} | {address})
+    try:
+        from distributed.diagnostics import nvml
+
+        gpus = nvml.device_get_count()
+    except Exception:
+        gpus = 0
+    return max(1, -(-local // max(1, gpus)))

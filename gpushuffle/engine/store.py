@@ -221,9 +221,13 @@ class ShardStore:
             if piece.group is not group or piece.reading:
                 continue
             start = time.perf_counter()
-            host_table = self._backend.to_host(piece.table)
+            # Off the event loop: a device -> host copy takes as long as
+            # its bytes need, and receives must go on meanwhile.
+            host_table = await self._offload(self._backend.to_host, piece.table)
             moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
             with self._lock:
+                if piece.group is not group or piece.reading:
+                    continue  # read or released meanwhile: keep it where it is
                 piece.table, piece.group = host_table, moved
                 self._add_group(moved)
                 self._charge(HOST, piece.nbytes)
@@ -323,18 +327,19 @@ class ShardStore:
             for piece in pieces:
                 # close() deleted the spill files and released every piece.
                 self._raise_if_closed()
-                on_device = piece.group is not None and piece.group.tier == DEVICE
                 if piece.disk is not None:
+                    # deserialize() returns tables on the backend's tier.
                     if mapping is None:
                         mapping = _map(piece.disk.path)
                     table = self._load(piece, mapping)
+                elif piece.group is not None and piece.group.tier != self._backend.tier:
+                    # A device table moved to host memory: bring it back.
+                    start = time.perf_counter()
+                    table = self._backend.to_device(piece.table)
+                    self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
                 else:
                     table = piece.table
                 piece.table = None
-                if self._backend.tier == DEVICE and not on_device:
-                    start = time.perf_counter()
-                    table = self._backend.to_device(table)
-                    self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
                 yield table
                 del table
                 self._consumed(piece)
@@ -355,8 +360,12 @@ class ShardStore:
             frames.append(view[offset : offset + length])
             offset += length
         del view
-        table = self._backend.deserialize(location.header, frames)
         self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
+        start = time.perf_counter()
+        table = self._backend.deserialize(location.header, frames)
+        if self._backend.tier == DEVICE:
+            # A device backend's deserialize copies the frames to the device.
+            self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
         return table
 
     def _consumed(self, piece: _Piece) -> None:

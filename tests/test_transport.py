@@ -1,0 +1,168 @@
+"""What crosses the wire: every remote shard through its backend's serializers.
+
+distributed chooses a serializer by the type at the top of a message; shards
+must reach the ones gpushuffle registers for them (for cuDF, anything else
+would pickle device addresses).  These run on real clusters over TCP; the
+same checks over UCX are in test_ucx.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from device_stand_in import StandInTable, counts, stand_in_device
+from distributed import Client
+from test_memory import cluster_with
+from test_shuffle import check, make_frame
+
+import gpushuffle
+from gpushuffle.backends.pandas import PandasBackend
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _wire(dask_worker=None) -> dict[str, int]:
+    from gpushuffle import transport
+
+    return transport.statistics.as_dict()
+
+
+def wire_delta(client: Client, before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per worker: what its wire counters gained since ``before``."""
+    after = client.run(_wire)
+    return {w: {k: v - before[w][k] for k, v in after[w].items()} for w in after}
+
+
+def assert_every_shard_serialized(delta: dict[str, dict[str, int]]) -> None:
+    """Each shard sent was serialized by its backend and deserialized by a peer's."""
+    total = {k: sum(d[k] for d in delta.values()) for k in next(iter(delta.values()))}
+    assert total["wire_shards_sent"] > 0, delta
+    assert total["wire_shards_serialized"] == total["wire_shards_sent"], delta
+    assert total["wire_shards_deserialized"] == total["wire_shards_sent"], delta
+    assert total["wire_bytes_serialized"] == total["wire_bytes_deserialized"], delta
+    assert total["wire_bytes_deserialized"] == total["wire_bytes_sent"], delta
+    for worker, d in delta.items():
+        # Both workers hold inputs and outputs: each sent and received.
+        assert d["wire_shards_serialized"] > 0 and d["wire_shards_deserialized"] > 0, worker
+
+
+def test_every_remote_shard_goes_through_its_backend(client):
+    before = client.run(_wire)
+    pdf = make_frame(3000, seed=5)
+    df = dd.from_pandas(pdf, npartitions=6, sort=False)
+    check(
+        df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
+        df.shuffle("key", npartitions=4, shuffle_method="tasks"),
+        pdf,
+    )
+    assert_every_shard_serialized(wire_delta(client, before))
+
+
+def test_statistics_report_the_wire(client):
+    stats = gpushuffle.statistics(client)
+    for column in ("wire_shards_sent", "wire_shards_serialized", "wire_shards_deserialized"):
+        assert column in stats.columns
+
+
+def test_backend_tables_refuse_plain_pickle():
+    frame = pd.DataFrame({"k": np.arange(10), "_partitions": np.zeros(10, dtype=np.int16)})
+    table, _ = PandasBackend().split(frame, "_partitions", np.zeros(1, np.int16), 1, True)
+    with pytest.raises(TypeError, match=r"reached plain pickle.*serialize"):
+        pickle.dumps(table)
+    with pytest.raises(TypeError, match="reached plain pickle"):
+        pickle.dumps(StandInTable(nrows=0, nbytes=0))
+
+
+def stand_in_shuffle(client: Client, npartitions_in: int = 6, n: int = 4000) -> None:
+    """A shuffle through the device stand-in, checked against tasks and pandas."""
+    pdf = make_frame(n, seed=9)
+    df = dd.from_pandas(pdf, npartitions=npartitions_in, sort=False)
+    with stand_in_device(client):
+        ours = df.shuffle(["key", "str"], npartitions=5, shuffle_method="gpushuffle")
+        parts = check(ours, df.shuffle(["key", "str"], npartitions=5, shuffle_method="tasks"), pdf)
+    for part in parts:
+        assert part["row"].is_monotonic_increasing
+
+
+def test_device_tier_down_to_disk_and_back_on_a_cluster():
+    """Tiny device and host budgets: device -> host -> disk -> device, as on a GPU."""
+    settings = {
+        "gpushuffle.memory.device-limit": "32 KiB",
+        "gpushuffle.memory.host-limit": "32 KiB",
+    }
+    with cluster_with(settings) as client:
+        before = client.run(_wire)
+        stand_in_shuffle(client)
+        assert_every_shard_serialized(wire_delta(client, before))
+        stats = gpushuffle.statistics(client)
+        calls = client.run(counts)
+        for worker, row in stats.iterrows():
+            assert row["device_to_host_bytes"] > 0, row
+            assert row["host_to_disk_bytes"] > 0, row
+            # Spill files are read back straight onto the "device".
+            assert row["disk_to_host_bytes"] == row["host_to_disk_bytes"], row
+            assert row["host_to_device_bytes"] > 0, row
+            assert row["device_bytes"] == row["host_bytes"] == row["disk_bytes"] == 0
+            assert calls[worker]["to_host"] > 0 and calls[worker]["deserialize"] > 0
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["pandas", "device-stand-in"])
+def test_only_the_key_without_the_index(client, device):
+    """Tables without columns: only row counts travel."""
+    pdf = make_frame(2000, seed=13)[["key"]]
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    with stand_in_device(client) if device else contextlib.nullcontext():
+        ours = df.shuffle("key", npartitions=3, ignore_index=True, shuffle_method="gpushuffle")
+        parts = dask.compute(*ours.to_delayed())
+    truth = dask.compute(
+        *df.shuffle("key", npartitions=3, ignore_index=True, shuffle_method="tasks").to_delayed()
+    )
+    assert [len(p) for p in parts] == [len(t) for t in truth]
+    assert sum(len(p) for p in parts) == len(pdf)
+
+
+def test_cpu_runs_never_ask_for_the_device(monkeypatch):
+    """A pandas shuffle reads no device budget (which would open a CUDA context).
+
+    The device stand-in's runs do ask, once per worker.
+    """
+    from faults import cluster_test
+
+    from gpushuffle import config
+    from gpushuffle.engine import memory
+
+    asked: list[int] = []
+
+    def device_memory_total() -> int:
+        asked.append(1)
+        return 1 << 30
+
+    monkeypatch.setattr(config, "device_memory_total", device_memory_total)
+    memory.reset_worker_memory()
+
+    @cluster_test()
+    async def run(c, s, a, b):
+        pdf = make_frame(1000, seed=3)
+        df = dd.from_pandas(pdf, npartitions=4, sort=False)
+        out = df.shuffle("key", npartitions=3, shuffle_method="gpushuffle")
+        assert len(await c.compute(out)) == len(pdf)
+        assert not asked
+        with stand_in_device():
+            # Other output keys than above, or the scheduler may hand back those.
+            out = df.shuffle("key", npartitions=5, shuffle_method="gpushuffle")
+            assert len(await c.compute(out)) == len(pdf)
+        assert len(asked) == 1  # workers share this process: one WorkerMemory
+        limit = memory.worker_memory().device.limit
+        # 0.25 of the device, shared by the two workers on this host's "GPU".
+        assert limit == (1 << 30) // 2 // 4, limit
+
+    try:
+        run()
+    finally:
+        memory.reset_worker_memory()

@@ -37,11 +37,31 @@ class Result:
     rows_out: int
     peak_worker_rss_bytes: int
     spilled_bytes: int = 0
+    #: Each worker's RSS when the run started.
+    rss_before_bytes: dict[str, int] = field(default_factory=dict)
+    #: Each worker's RSS ``settle_s`` seconds after the run ended (with ``settle_s``).
+    rss_after_bytes: dict[str, int] = field(default_factory=dict)
+    settle_s: float = 0.0
+    #: What shuffles held on the largest worker when its RSS peaked
+    #: (:func:`gpushuffle.engine.memory.memory_breakdown`), and the RSS then.
+    peak_breakdown: dict[str, int] = field(default_factory=dict)
     #: Each worker's RSS over the run: ``(seconds since the run started, bytes)``.
     #: Not written to JSON.
     rss_timelines: dict[str, list[tuple[float, int]]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: Each worker's :func:`~gpushuffle.engine.memory.memory_breakdown` at the
+    #: same instants as ``rss_timelines``.  Not written to JSON.
+    breakdowns: dict[str, list[dict[str, int]]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @property
+    def left_behind_bytes(self) -> int | None:
+        """Largest growth of a worker's RSS from before the run to ``settle_s`` after."""
+        if not self.rss_after_bytes:
+            return None
+        return max(self.rss_after_bytes[w] - self.rss_before_bytes[w] for w in self.rss_after_bytes)
 
     @property
     def gib_per_s(self) -> float:
@@ -62,29 +82,41 @@ def make_partition(i: int, rows: int, ncols: int, nkeys: int) -> pd.DataFrame:
 _SAMPLERS: dict[str, dict[str, Any]] = {}
 
 
-def _start_sampler(interval: float = 0.02, name: str = "bench") -> None:
+def _start_sampler(
+    interval: float = 0.02, name: str = "bench", breakdown: bool = False, dask_worker: Any = None
+) -> None:
     """Sample this worker's RSS every ``interval`` seconds until :func:`_stop_sampler`.
 
     Runs on workers (``client.run``).  ``name`` keeps samplers of different
-    callers on one worker apart.
+    callers on one worker apart.  With ``breakdown``, each sample also
+    records what shuffles hold (:func:`gpushuffle.engine.memory.memory_breakdown`).
     """
     import psutil
 
+    from gpushuffle.engine.memory import memory_breakdown
+
     process = psutil.Process()
     stop = threading.Event()
+
+    def parts() -> dict[str, int]:
+        return memory_breakdown(dask_worker) if breakdown else {}
+
     rss = process.memory_info().rss
     state: dict[str, Any] = {
         "process": process,
         "peak": rss,
         "stop": stop,
         "timeline": [(time.time(), rss)],
+        "breakdown": [parts()],
+        "parts": parts,
     }
     _SAMPLERS[name] = state
 
     def sample() -> None:
-        timeline = state["timeline"]
+        timeline, breakdowns = state["timeline"], state["breakdown"]
         while not stop.wait(interval):
             rss = process.memory_info().rss
+            breakdowns.append(parts())
             timeline.append((time.time(), rss))
             state["peak"] = max(state["peak"], rss)
 
@@ -94,14 +126,19 @@ def _start_sampler(interval: float = 0.02, name: str = "bench") -> None:
 
 
 def _stop_sampler(name: str = "bench") -> dict[str, Any]:
-    """Stop the sampler; its peak RSS and ``(unix time, RSS)`` samples."""
+    """Stop the sampler; its peak RSS, ``(unix time, RSS)`` samples and breakdowns."""
     state = _SAMPLERS.pop(name)
     state["stop"].set()
     state["thread"].join()
     rss = state["process"].memory_info().rss
+    state["breakdown"].append(state["parts"]())
     state["timeline"].append((time.time(), rss))
     state["peak"] = max(state["peak"], rss)
-    return {"peak": int(state["peak"]), "timeline": state["timeline"]}
+    return {
+        "peak": int(state["peak"]),
+        "timeline": state["timeline"],
+        "breakdown": state["breakdown"],
+    }
 
 
 def _collect(release_pool: bool) -> None:
@@ -152,9 +189,14 @@ def run_benchmark(
     repeat: int = 1,
     protocol: str = "tcp",
     memory_limit: str | None = None,
+    settle: float = 0.0,
     on_result: Any = None,
 ) -> tuple[list[Result], dict[str, Any]]:
-    """Run each method ``repeat`` times on one cluster; return results and context."""
+    """Run each method ``repeat`` times on one cluster; return results and context.
+
+    With ``settle``, workers keep being sampled for that many seconds after
+    each run, and their RSS then is recorded (what a run left behind).
+    """
     import dask
     import dask.dataframe as dd
     from distributed import Client, LocalCluster, wait
@@ -208,13 +250,19 @@ def run_benchmark(
             for r in range(repeat):
                 client.run(_collect, r == 0)
                 spilled_before = _spilled(client)
-                client.run(_start_sampler)
+                client.run(_start_sampler, breakdown=True)
                 start_time = time.time()
                 start = time.perf_counter()
                 lengths = df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
                 wall = time.perf_counter() - start
+                if settle:
+                    _wait_until_released(client, baseline_tasks)
+                    time.sleep(max(0.0, settle - (time.perf_counter() - start - wall)))
                 samples = client.run(_stop_sampler)
                 _wait_until_released(client, baseline_tasks)
+                largest = max(samples, key=lambda w: samples[w]["peak"])
+                timeline = samples[largest]["timeline"]
+                at_peak = max(range(len(timeline)), key=lambda i: timeline[i][1])
                 result = Result(
                     method=method,
                     repeat=r,
@@ -223,10 +271,21 @@ def run_benchmark(
                     rows_out=int(lengths.sum()),
                     peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
                     spilled_bytes=_spilled(client) - spilled_before,
+                    rss_before_bytes={w: s["timeline"][0][1] for w, s in samples.items()},
+                    rss_after_bytes=(
+                        {w: s["timeline"][-1][1] for w, s in samples.items()} if settle else {}
+                    ),
+                    settle_s=settle,
+                    peak_breakdown={
+                        "rss": timeline[at_peak][1],
+                        "rss_before": timeline[0][1],
+                        **samples[largest]["breakdown"][at_peak],
+                    },
                     rss_timelines={
                         worker: [(t - start_time, rss) for t, rss in s["timeline"]]
                         for worker, s in samples.items()
                     },
+                    breakdowns={worker: s["breakdown"] for worker, s in samples.items()},
                 )
                 results.append(result)
                 if on_result is not None:
@@ -256,6 +315,11 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                     statistics.median(r.peak_worker_rss_bytes for r in rs)
                 ),
                 "spilled_bytes": int(statistics.median(r.spilled_bytes for r in rs)),
+                "left_behind_bytes": (
+                    int(statistics.median(r.left_behind_bytes or 0 for r in rs))
+                    if rs[0].settle_s
+                    else None
+                ),
                 "vs_gpushuffle": wall / base,
             }
         )
@@ -288,16 +352,20 @@ def versions() -> dict[str, str]:
 
 
 def format_table(summary: Sequence[dict[str, Any]]) -> str:
+    settled = any(s.get("left_behind_bytes") is not None for s in summary)
     header = (
         f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}"
         f"{'peak RSS GiB':>14}{'spilled GiB':>13}{'x gpushuffle':>14}"
+        + (f"{'left MiB':>10}" if settled else "")
     )
     lines = [header, "-" * len(header)]
     for s in summary:
+        left = s.get("left_behind_bytes")
         lines.append(
             f"{s['method']:<12}{s['runs']:>5}{s['wall_s']:>9.2f}{s['gib_per_s']:>8.3f}"
             f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}"
             f"{s['spilled_bytes'] / 2**30:>13.2f}{s['vs_gpushuffle']:>14.2f}"
+            + (f"{(left or 0) / 2**20:>10.0f}" if settled else "")
         )
     return "\n".join(lines)
 
@@ -306,7 +374,14 @@ def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) ->
     records = []
     for r in results:
         record = asdict(r)
-        del record["rss_timelines"]
-        records.append({**record, "gib_per_s": r.gib_per_s, "machine": context["machine"]})
+        del record["rss_timelines"], record["breakdowns"]
+        records.append(
+            {
+                **record,
+                "gib_per_s": r.gib_per_s,
+                "left_behind_bytes": r.left_behind_bytes,
+                "machine": context["machine"],
+            }
+        )
     with open(path, "w") as f:
         json.dump(records, f, indent=2)

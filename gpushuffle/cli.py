@@ -86,6 +86,14 @@ def main() -> None:
     default=None,
     help="gpushuffle's store budget per worker (host and device), e.g. '256MiB'.",
 )
+@click.option(
+    "--settle",
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="After each run, keep sampling this long and record how much RSS each worker "
+    "kept (the 'left MiB' column: the largest worker's growth over the run).",
+)
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
 @click.option(
     "--plot",
@@ -105,6 +113,7 @@ def bench(
     repeat: int,
     protocol: str,
     memory_limit: str | None,
+    settle: float,
     json_path: str | None,
     plot_path: str | None,
 ) -> None:
@@ -139,6 +148,7 @@ def bench(
         repeat=repeat,
         protocol=protocol,
         memory_limit=memory_limit,
+        settle=settle,
         on_result=progress,
     )
     click.echo(

@@ -1,8 +1,11 @@
 """The picture of a benchmark: ``gpushuffle bench --plot PATH.png``.
 
-Three panels: median wall time per method (each run as a dot), median peak
-RSS of the largest worker per method, and every worker's RSS over the median
-run of each method.  Needs matplotlib (``pip install 'gpushuffle[plot]'``);
+Panels: median wall time per method (each run as a dot); median peak RSS of
+the largest worker per method; every worker's RSS over the median run of each
+method; the largest worker's RSS around the barrier (where the unpack phase
+starts) for the P2P-based methods, on one time axis; and, for gpushuffle and
+``p2p``, what the shuffle held on that worker over the run (store tiers, pool,
+split buffers, comm backlog) beside its RSS.  Needs matplotlib (``pip install 'gpushuffle[plot]'``);
 draws with the Agg canvas, so no display is needed.
 """
 
@@ -54,12 +57,13 @@ def plot_benchmark(results: Sequence[Result], context: dict[str, Any], path: str
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
     runs = {m: [r for r in results if r.method == m] for m in methods}
 
-    fig = Figure(figsize=(12, 8.5), layout="constrained")
+    fig = Figure(figsize=(12, 15), layout="constrained")
     fig.suptitle(title(context), fontsize=10)
-    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.2])
+    grid = fig.add_gridspec(4, 2, height_ratios=[1, 1.1, 1.1, 1.2])
     ax_wall = fig.add_subplot(grid[0, 0])
     ax_peak = fig.add_subplot(grid[0, 1])
     ax_time = fig.add_subplot(grid[1, :])
+    ax_barrier = fig.add_subplot(grid[2, :])
 
     x = list(range(len(methods)))
     wall = [s["wall_s"] for s in summary]
@@ -88,7 +92,7 @@ def plot_benchmark(results: Sequence[Result], context: dict[str, Any], path: str
         timelines = run.rss_timelines
         if not timelines:
             continue
-        largest = max(timelines, key=lambda w: max(rss for _, rss in timelines[w]))
+        largest = _largest(run)
         for worker, samples in sorted(timelines.items()):
             ts = [t for t, _ in samples]
             gib = [rss / GIB for _, rss in samples]
@@ -108,4 +112,113 @@ def plot_benchmark(results: Sequence[Result], context: dict[str, Any], path: str
         ax_time.legend(loc="upper right")
     ax_time.grid(alpha=0.3)
 
+    _plot_around_barrier(ax_barrier, runs, colors)
+
+    shown = [m for m in ("gpushuffle", "p2p") if m in runs and _has_breakdown(median_run(runs[m]))]
+    for i, m in enumerate(shown):
+        ax = fig.add_subplot(grid[3, i] if len(shown) > 1 else grid[3, :])
+        _plot_breakdown(ax, m, median_run(runs[m]))
+
     fig.savefig(path, dpi=110, metadata={"Description": json.dumps(context["versions"])})
+
+
+#: Components of :func:`gpushuffle.engine.memory.memory_breakdown` drawn per
+#: method, with their labels.  ``store_disk`` is not memory: drawn dashed.
+_PARTS: dict[str, list[tuple[str, tuple[str, ...], str]]] = {
+    "gpushuffle": [
+        ("store, host tier (received + local shards)", ("store_host",), "C0"),
+        ("store, on disk (not in RSS)", ("store_disk",), "C0"),
+        ("split buffers in use (local part also in store)", ("pool_split",), "C2"),
+        ("comm backlog: waiting to be sent", ("comm_out",), "C1"),
+        ("comm backlog: received, waiting for the store", ("waiting",), "C3"),
+        ("pool: free blocks", ("pool_free",), "C4"),
+        ("pool: outputs and reads in use", ("pool_unpack", "pool_read"), "C5"),
+    ],
+    "p2p": [
+        ("comm buffer: waiting to be sent", ("comm_out",), "C1"),
+        ("disk buffer: received, not yet on disk", ("p2p_buffer",), "C3"),
+    ],
+}
+
+
+def _largest(run: Result) -> str:
+    timelines = run.rss_timelines
+    return max(timelines, key=lambda w: max(rss for _, rss in timelines[w]))
+
+
+def _has_breakdown(run: Result) -> bool:
+    return bool(run.breakdowns) and any(run.breakdowns.values())
+
+
+def _barrier_time(run: Result, worker: str) -> float | None:
+    """When ``worker`` first saw its run past the barrier (the unpack phase)."""
+    samples = run.rss_timelines[worker]
+    for (t, _), parts in zip(samples, run.breakdowns.get(worker, []), strict=False):
+        if parts.get("phase", 0) >= 2:
+            return t
+    return None
+
+
+def _plot_around_barrier(ax: Any, runs: dict[str, list[Result]], colors: dict[str, str]) -> None:
+    """RSS growth of the largest worker with time 0 at its barrier, per method."""
+    drawn = False
+    for m, rs in runs.items():
+        run = median_run(rs)
+        if not run.rss_timelines or not _has_breakdown(run):
+            continue
+        worker = _largest(run)
+        barrier = _barrier_time(run, worker)
+        if barrier is None:
+            continue
+        samples = run.rss_timelines[worker]
+        base = samples[0][1]
+        ax.plot(
+            [t - barrier for t, _ in samples],
+            [(rss - base) / GIB for _, rss in samples],
+            color=colors[m],
+            linewidth=1.6,
+            label=f"{m} (RSS at start: {base / GIB:.2f} GiB)",
+        )
+        drawn = True
+    ax.axvline(0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("seconds from the barrier (left: transfer, right: unpack)")
+    ax.set_ylabel("RSS above the run's start (GiB)")
+    ax.set_title(
+        "Around the unpack phase: largest worker of the median run, aligned at its barrier"
+    )
+    if drawn:
+        ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+
+
+def _plot_breakdown(ax: Any, method: str, run: Result) -> None:
+    """What ``method``'s shuffle held on the largest worker, beside its RSS."""
+    worker = _largest(run)
+    samples = run.rss_timelines[worker]
+    parts = run.breakdowns[worker]
+    ts = [t for t, _ in samples]
+    base = samples[0][1]
+    ax.plot(
+        ts,
+        [(rss - base) / GIB for _, rss in samples],
+        color="black",
+        linewidth=1.6,
+        label="RSS above the run's start",
+    )
+    for label, keys, color in _PARTS.get(method, []):
+        values = [sum(p.get(k, 0) for k in keys) / GIB for p in parts]
+        if not any(values):
+            continue
+        style = "--" if keys == ("store_disk",) else "-"
+        linestyle = style if keys != ("pool_free",) else ":"
+        ax.plot(
+            ts[: len(values)], values, color=color, linewidth=1.1, linestyle=linestyle, label=label
+        )
+    barrier = _barrier_time(run, worker)
+    if barrier is not None:
+        ax.axvline(barrier, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("seconds since the run started (dotted: barrier)")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{method}: what the shuffle held on the largest worker (median run)", fontsize=10)
+    ax.legend(loc="upper left", fontsize=7)
+    ax.grid(alpha=0.3)

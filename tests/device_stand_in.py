@@ -56,6 +56,11 @@ class DeviceStandInBackend(PandasBackend):
         table, offsets = super().split(frame, column, rank, nranks, keep_index)
         return StandInTable(len(table), super().nbytes(table), table=table), offsets
 
+    def split_groups(self, frame, column, rank, nranks, keep_index, groups):  # type: ignore[no-untyped-def]
+        tables, offsets = super().split_groups(frame, column, rank, nranks, keep_index, groups)
+        nbytes = super().nbytes
+        return [StandInTable(len(t), nbytes(t), table=t) for t in tables], offsets
+
     def slice(self, table: StandInTable, start: int, stop: int) -> StandInTable:
         assert table.table is not None, "slice takes device tables (as pylibcudf)"
         view = super().slice(table.table, start, stop)

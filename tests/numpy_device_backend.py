@@ -10,6 +10,7 @@ whole shuffles on a cluster see ``device_stand_in.py``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,3 +88,80 @@ class NumpyDeviceBackend(TableBackend):
         # Like cuDF, whose deserialize copies the frames to the device.
         type(self).moves_to_device += 1
         return FakeDeviceTable(np.frombuffer(frames[0], dtype=np.int64).copy(), on_device=True)
+
+
+# -- Device memory and column operations, for the bounded assemble ------------
+# (gpushuffle.backends.columns.assemble_columns: the bounded unpack,
+# measured here without a GPU).
+
+
+class DeviceMemory:
+    """Bytes of stand-in device arrays alive now, and their peak.
+
+    An array counts from :meth:`empty` until it (and every view of it) is
+    garbage collected, as an RMM allocation counts until its last owner goes.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.peak = 0
+
+    def empty(self, n: int, dtype: Any) -> np.ndarray:
+        array = np.empty(n, dtype)
+        self.bytes += array.nbytes
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(array, self._free, array.nbytes)
+        return array
+
+    def full(self, n: int, value: Any, dtype: Any) -> np.ndarray:
+        array = self.empty(n, dtype)
+        array[:] = value
+        return array
+
+    def _free(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+class NumpyDeviceColumns:
+    """``ColumnOps`` over numpy arrays held in a :class:`DeviceMemory`.
+
+    Object arrays stand for variable-width columns (strings): they cannot be
+    filled in place.  Numpy arrays hold no nulls.
+    """
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+
+    def size(self, column: np.ndarray) -> int:
+        return len(column)
+
+    def null_count(self, column: np.ndarray) -> int:
+        return 0
+
+    def fits(self, column: np.ndarray, out: np.ndarray) -> bool:
+        return column.dtype == out.dtype
+
+    def fixed_width(self, column: np.ndarray) -> bool:
+        return not column.dtype.hasobject
+
+    def allocate(self, like: np.ndarray, nrows: int) -> np.ndarray:
+        return self.memory.empty(nrows, like.dtype)
+
+    def copy_into(self, column: np.ndarray, out: np.ndarray, position: int) -> None:
+        out[position : position + len(column)] = column
+
+    def head(self, out: np.ndarray, nrows: int) -> np.ndarray:
+        return out[:nrows]
+
+    def copy(self, column: np.ndarray) -> np.ndarray:
+        out = self.memory.empty(len(column), column.dtype)
+        out[:] = column
+        return out
+
+    def concatenate(self, columns: Sequence[np.ndarray]) -> np.ndarray:
+        dtype = np.result_type(*columns)
+        out = self.memory.empty(sum(len(c) for c in columns), dtype)
+        return np.concatenate(columns, out=out)
+
+    def finish(self, out: np.ndarray, nulls: int) -> np.ndarray:
+        return out

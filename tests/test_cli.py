@@ -608,15 +608,28 @@ def test_bench_plot_writes_a_png(tmp_path):
         (
             "gib_per_s",
             "input_bytes",
+            "left_behind_bytes",
             "machine",
             "method",
+            "peak_breakdown",
             "peak_worker_rss_bytes",
             "repeat",
             "rows_out",
+            "rss_after_bytes",
+            "rss_before_bytes",
+            "settle_s",
             "spilled_bytes",
             "wall_s",
         )
     }
+    # What the shuffle held when the largest worker's RSS peaked.
+    gpushuffle_runs = [r for r in records if r["method"] == "gpushuffle"]
+    assert (
+        gpushuffle_runs[0]["peak_breakdown"]["rss"] == gpushuffle_runs[0]["peak_worker_rss_bytes"]
+    )
+    assert {"store_host", "pool_split", "comm_out", "phase"} <= set(
+        gpushuffle_runs[0]["peak_breakdown"]
+    )
 
 
 def test_plot_from_results(tmp_path):
@@ -628,7 +641,16 @@ def test_plot_from_results(tmp_path):
             f"tcp://w{i}": [(t / 10, int((1 + i + np.sin(t)) * 2**28)) for t in range(30)]
             for i in range(2)
         }
-        return Result(method, repeat, wall, 2**30, 10, peak, rss_timelines=timeline)
+        breakdowns = {
+            worker: [
+                {"store_host": 2**27 * t // 30, "comm_out": 2**24, "phase": 1 + (t >= 20)}
+                for t in range(30)
+            ]
+            for worker in timeline
+        }
+        return Result(
+            method, repeat, wall, 2**30, 10, peak, rss_timelines=timeline, breakdowns=breakdowns
+        )
 
     results = [
         result("gpushuffle", 0, 2.0, 3 * 2**30),
@@ -645,6 +667,9 @@ def test_plot_from_results(tmp_path):
     path = tmp_path / "plot.png"
     plot_benchmark(results, context, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from gpushuffle.plot import _barrier_time
+
+    assert _barrier_time(results[0], "tcp://w0") == pytest.approx(2.0)
 
 
 def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):

@@ -67,6 +67,110 @@ def _spill_files(dask_worker) -> list[str]:
     ]
 
 
+def test_each_destination_is_split_into_buffers_of_its_own():
+    """The shard sent to another worker frees its memory once dropped, even
+    while the local shard (kept in the store) lives on."""
+    from gpushuffle.backends.pandas import PandasBackend
+    from gpushuffle.engine.pool import HostBufferPool
+
+    n = 400_000
+    rng = np.random.default_rng(3)
+    df = pd.DataFrame({"a": rng.integers(0, 9, n), "b": rng.random(n)})
+    df["_partitions"] = rng.integers(0, 4, n).astype(np.int16)
+    pool = HostBufferPool(limit=1 << 30, idle_release=0)
+    backend = PandasBackend()
+    import gpushuffle.engine.pool as pool_module
+
+    saved, pool_module._POOL = pool_module._POOL, pool
+    try:
+        (local, remote), offsets = backend.split_groups(
+            df, "_partitions", np.arange(4, dtype=np.int16), 4, True, [(0, 2), (2, 4)]
+        )
+    finally:
+        pool_module._POOL = saved
+    assert len(local) == offsets[2] and len(remote) == n - offsets[2]
+    expected = df[df["_partitions"] >= 2].sort_values("_partitions", kind="stable")
+    np.testing.assert_array_equal(remote.columns[1], expected["b"].to_numpy())
+    np.testing.assert_array_equal(remote.index, expected.index)
+    in_use = pool.usage()["split"]
+    assert in_use >= 24 * n  # a, b and the index, all rows
+    del remote
+    # The remote block is back in the pool; the local one is still in use.
+    usage = pool.usage()
+    assert usage["split"] == pytest.approx(in_use * offsets[2] / n, rel=0.05)
+    assert usage["free"] == in_use - usage["split"]
+
+
+def _rss_now() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_period():
+    from gpushuffle.engine.pool import HostBufferPool
+
+    pool = HostBufferPool(limit=1 << 30, idle_release=1.0)
+    pool.hold()  # a shuffle runs
+    block = pool.empty(64 << 20, np.uint8)
+    block[:] = 1  # faulted in: 64 MiB more RSS
+    odd = pool.empty(8 << 20, np.uint8)  # a size nothing asks for again
+    del block, odd
+    time.sleep(0.05)
+    assert pool.usage()["free"] >= 72 << 20
+    again = pool.empty(60 << 20, np.uint8)  # the next split or unpack reuses it
+    assert pool.statistics.reused == 1
+    time.sleep(0.6)  # unused for an eighth of idle_release while a shuffle runs: unmapped
+    assert pool.usage()["free"] == 0
+    del again
+    pool.unhold()  # the shuffle ended: its blocks stay for the grace period ...
+    time.sleep(0.1)
+    pool.hold()  # ... and a shuffle that follows closely still reuses them
+    again = pool.empty(60 << 20, np.uint8)
+    assert pool.statistics.reused == 2
+    del again
+    before = _rss_now()
+    pool.unhold()
+    deadline = time.monotonic() + 5
+    while pool.usage()["free"]:  # ... until nothing ran for idle_release
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # Unmapped: the memory left the process, whatever malloc's settings.
+    assert _rss_now() < before - (48 << 20)
+    assert pool.statistics.idle_releases >= 1
+
+
+def test_auto_host_budget_is_half_of_what_the_worker_has_free_at_most_256_mib(monkeypatch):
+    import psutil
+
+    from gpushuffle import config
+    from gpushuffle.engine.memory import TierUsage, WorkerMemory, auto_host_limit
+
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: 100 << 30)
+    assert auto_host_limit() == 256 << 20
+    # Without disk, received shards have nowhere else to go: no cap.
+    assert auto_host_limit(disk_enabled=False) > 10 << 30
+    # Free: what the worker may grow before distributed spills its data
+    # (distributed.worker.memory.spill, 0.7, of its limit), minus its RSS.
+    rss = psutil.Process().memory_info().rss
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: int((rss + (100 << 20)) / 0.7))
+    assert auto_host_limit() == pytest.approx(50 << 20, abs=8 << 20)
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: rss)  # nothing free
+    assert auto_host_limit() == 0
+
+    memory = WorkerMemory(
+        device=TierUsage(None), host=TierUsage(1), disk=TierUsage(None), disk_enabled=True
+    )
+    memory.auto_host = True
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: 100 << 30)
+    memory.start_run()  # sized when a run starts on an idle worker ...
+    assert memory.host.limit == 256 << 20
+    memory.host.limit = 1
+    memory.charge("host", 10)
+    memory.start_run()  # ... not while another run holds memory
+    assert memory.host.limit == 1
+
+
 def test_budget_smaller_than_data_spills_and_stays_correct():
     pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
     with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
@@ -210,6 +314,51 @@ def test_footprint_returns_after_the_shuffle():
         after = client.run(_rss)
         for worker, rss in after.items():
             assert rss <= before[worker] * 1.10, (worker, before[worker], rss)
+
+
+def _raw_rss(dask_worker=None) -> int:
+    """RSS as a user sees it: no garbage collection or malloc_trim first."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_five_seconds_after_a_shuffle_every_worker_is_back_within_64_mib():
+    """Issue 12, at default settings on a real cluster (Nanny-started workers):
+    what a shuffle allocated (pooled blocks, received messages, spill files)
+    leaves the workers within seconds, while a shuffle right after reuses it.
+    """
+    n = 8_000_000  # 256 MB
+    rng = np.random.default_rng(7)
+    pdf = pd.DataFrame(
+        {
+            "key": rng.integers(0, 10**6, n),
+            "a": rng.random(n),
+            "b": rng.random(n),
+            "c": np.arange(n),
+        }
+    )
+    with cluster_with({}) as client:
+        df = dd.from_pandas(pdf, npartitions=16, sort=False).persist()
+        wait(df)
+        shuffled = df.shuffle("key", shuffle_method="gpushuffle").map_partitions(len)
+        # A small shuffle first, for imports and other first-time state.
+        small = dd.from_pandas(pdf.iloc[:1000], npartitions=2, sort=False)
+        assert len(small.shuffle("key", shuffle_method="gpushuffle")) == 1000
+        del pdf
+        time.sleep(5)
+        before = client.run(_raw_rss)
+        assert shuffled.compute().sum() == n
+        assert shuffled.compute().sum() == n  # right after: the pool is reused
+        stats = gpushuffle.statistics(client)
+        assert (stats["host_pool_reused"] > 0).all()
+        assert (stats["host_limit"] <= 256 << 20).all()  # the "auto" default
+        assert_nothing_left_behind(client)
+        time.sleep(5)
+        after = client.run(_raw_rss)
+        for worker, rss in after.items():
+            grown = rss - before[worker]
+            assert grown < 64 << 20, (worker, before[worker] >> 20, rss >> 20)
 
 
 def test_shards_cut_into_small_messages_keep_every_row_in_order():

@@ -10,10 +10,16 @@ import tracemalloc
 import numpy as np
 import pandas as pd
 import pytest
-from numpy_device_backend import FakeDeviceTable, NumpyDeviceBackend
+from numpy_device_backend import (
+    DeviceMemory,
+    FakeDeviceTable,
+    NumpyDeviceBackend,
+    NumpyDeviceColumns,
+)
 
 from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import register_backend
+from gpushuffle.backends.columns import assemble_columns
 from gpushuffle.backends.pandas import PandasBackend, PandasTable
 from gpushuffle.engine.memory import TierUsage, WorkerMemory
 from gpushuffle.engine.store import ShardStore
@@ -190,6 +196,74 @@ def test_assemble_holds_output_plus_one_piece():
     assert extra <= output_bytes + 2 * piece_bytes + (1 << 20), extra
     # A concatenating implementation would hold every piece and the output.
     assert extra < 2 * output_bytes * 0.75
+
+
+def test_device_assemble_holds_output_plus_one_piece():
+    """The device unpack (the cuDF backend's, on stand-in columns) fills the
+    output in place: the device holds the output plus one piece, not 2x."""
+    device = DeviceMemory()
+    ops = NumpyDeviceColumns(device)
+    npieces, rows = 20, 10_000
+    piece_bytes = rows * 16
+    made = []
+
+    def pieces():
+        for i in range(npieces):  # like the store: each brought up only when asked
+            made.append(device.bytes)
+            yield [device.full(rows, i, np.int64), device.full(rows, i / 2, np.float64)]
+
+    out = assemble_columns(pieces(), npieces * rows, ops)
+    assert out is not None
+    a, b = out
+    np.testing.assert_array_equal(a, np.repeat(np.arange(npieces), rows))
+    np.testing.assert_array_equal(b, np.repeat(np.arange(npieces) / 2, rows))
+    output_bytes = npieces * piece_bytes
+    # Every piece was released before the next was brought up ...
+    assert made[1:] == [output_bytes] * (npieces - 1), made
+    # ... so the peak is the output plus one piece (concatenating every piece
+    # at once would hold 2x the output).
+    assert device.peak == output_bytes + piece_bytes
+    del out, a, b
+    assert device.bytes == 0
+
+
+def test_device_assemble_variable_width_columns_are_copied_out_of_pieces():
+    """A variable-width column (strings) is concatenated at the end, from copies:
+    the rest of each piece is released once copied."""
+    device = DeviceMemory()
+    ops = NumpyDeviceColumns(device)
+    npieces, rows = 10, 1_000
+
+    def strings(i):
+        column = device.empty(rows, object)
+        column[:] = f"s{i}"
+        return column
+
+    def pieces():
+        for i in range(npieces):
+            yield [device.full(rows, i, np.int64), strings(i), device.full(rows, i, np.int32)]
+
+    out = assemble_columns(pieces(), npieces * rows, ops)
+    assert out is not None
+    assert out[1].tolist() == [f"s{i}" for i in range(npieces) for _ in range(rows)]
+    assert out[2].dtype == np.int32 and out[2][-1] == npieces - 1
+    fixed = npieces * rows * (8 + 4)
+    strings_bytes = npieces * rows * 8  # object pointers
+    piece = rows * (8 + 8 + 4)
+    # Output, one piece, the strings' copies and their concatenation.
+    assert device.peak <= fixed + piece + 2 * strings_bytes
+
+
+def test_device_assemble_falls_back_to_concatenate_for_mixed_types():
+    device = DeviceMemory()
+    ops = NumpyDeviceColumns(device)
+    pieces = [[device.full(3, 1, np.int32)], [device.full(2, 2, np.int64)]]
+    out = assemble_columns(iter(pieces), 5, ops)
+    assert out is not None
+    assert out[0].tolist() == [1, 1, 1, 2, 2] and out[0].dtype == np.int64
+    assert assemble_columns(iter([]), 0, ops) is None
+    with pytest.raises(ValueError, match="expected 6"):
+        assemble_columns(iter(pieces), 6, ops)
 
 
 # -- closing while work is in flight (a worker left: the run is closed) -----

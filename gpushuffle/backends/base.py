@@ -114,6 +114,30 @@ class TableBackend(abc.ABC):
             rows of rank ``r`` are ``table[offsets[r]:offsets[r + 1]]``.
         """
 
+    def split_groups(
+        self,
+        frame: Any,
+        column: str,
+        rank: np.ndarray,
+        nranks: int,
+        keep_index: bool,
+        groups: Sequence[tuple[int, int]],
+    ) -> tuple[list[Any], np.ndarray]:
+        """:meth:`split`, with each group of ranks in buffers of its own.
+
+        ``groups`` are ``(first, last)`` rank ranges (one per destination
+        worker); the result holds one table per group, the rows of ranks
+        ``first`` to ``last - 1``, and :meth:`split`'s ``offsets``.  A table
+        that shares no buffer with the others can be freed on its own: the
+        shard sent to another worker releases its memory once sent, while
+        the one kept locally lives on in the store.  This default slices one
+        :meth:`split` table (views that keep all of it alive); backends
+        override it where they can do better.
+        """
+        table, offsets = self.split(frame, column, rank, nranks, keep_index)
+        tables = [self.slice(table, int(offsets[a]), int(offsets[b])) for a, b in groups]
+        return tables, offsets
+
     @abc.abstractmethod
     def slice(self, table: Any, start: int, stop: int) -> Any:
         """Rows ``start:stop`` of ``table`` as a view, without copying."""

@@ -1,11 +1,15 @@
 """pandas backend: columns as numpy / extension arrays in host memory.
 
 A table is a list of 1-d column arrays plus an optional index.  Splitting
-takes each column once with a stable order (so every column of every shard
-is a contiguous view, which pickle protocol 5 sends out of band without a
-copy); the output is assembled with one ``concatenate`` per column and a
-DataFrame built around those arrays without consolidating them into 2-d
-blocks (that would copy every byte a second time).
+sorts the partition ids once (stable) and takes each column once per
+destination worker, into one pooled block per destination, so every column
+of every shard is a contiguous array (which pickle protocol 5 sends out of
+band without a copy) and what goes to another worker is freed once sent,
+whatever the local shard keeps alive.  An output partition's numeric
+columns are allocated once, in one pooled block, and each piece is copied
+in and released before the next; a DataFrame is built around those arrays
+without consolidating them into 2-d blocks (that would copy every byte a
+second time).
 """
 
 from __future__ import annotations
@@ -53,23 +57,65 @@ def _poolable(values: Any) -> bool:
     return isinstance(values, np.ndarray) and not values.dtype.hasobject
 
 
-def _take(values: Any, order: np.ndarray, pool: HostBufferPool) -> Any:
-    if _poolable(values):
-        # mode="clip" skips the bounds-check copy numpy makes with out= and
-        # mode="raise"; ``order`` is a permutation, so nothing is clipped.
-        return np.take(values, order, out=pool.empty(len(order), values.dtype), mode="clip")
-    return values.take(order)
+#: Arrays carved from one block start on this boundary (cache lines; SIMD loads).
+_ALIGN = 64
 
 
-def _take_index(index: pd.Index, order: np.ndarray, pool: HostBufferPool) -> pd.Index:
+def _carve(pool: HostBufferPool, n: int, dtypes: Sequence[np.dtype], tag: str) -> list[np.ndarray]:
+    """Arrays of ``n`` items, one per dtype, carved from one pooled block.
+
+    They live and die together: the block goes back to the pool when the
+    last of them (and of their views) is gone.  One block per shard or
+    output instead of one per column means fewer, larger blocks, which the
+    pool reuses more easily and the kernel can back with huge pages.
+    """
+    sizes = [-(-n * dtype.itemsize // _ALIGN) * _ALIGN for dtype in dtypes]
+    block = pool.empty(sum(sizes), np.uint8, tag=tag)
+    arrays, start = [], 0
+    for dtype, size in zip(dtypes, sizes, strict=True):
+        arrays.append(block[start : start + n * dtype.itemsize].view(dtype))
+        start += size
+    return arrays
+
+
+def _index_dtype(index: pd.Index) -> np.dtype | None:
+    """The dtype to take a plain index into pooled memory with, or None."""
     if isinstance(index, pd.RangeIndex):
-        values = pool.empty(len(order), np.int64)
-        np.multiply(order, index.step, out=values)
-        values += index.start
-        return pd.Index(values, name=index.name, copy=False)
+        return np.dtype(np.int64)
     if type(index) is pd.Index and _poolable(index.values):
-        return pd.Index(_take(index.values, order, pool), name=index.name, copy=False)
-    return index.take(order)
+        return index.values.dtype
+    return None
+
+
+def _take_rows(
+    values: Sequence[Any], index: pd.Index | None, rows: np.ndarray, pool: HostBufferPool
+) -> tuple[list[Any], pd.Index | None]:
+    """``rows`` of every column (and of ``index``), numpy data into one pooled block."""
+    poolable = [i for i, v in enumerate(values) if _poolable(v)]
+    index_dtype = None if index is None else _index_dtype(index)
+    dtypes = [values[i].dtype for i in poolable]
+    if index_dtype is not None:
+        dtypes.append(index_dtype)
+    carved = iter(_carve(pool, len(rows), dtypes, "split"))
+    columns: list[Any] = []
+    for i, v in enumerate(values):
+        if i in poolable:
+            # mode="clip" skips the bounds-check copy numpy makes with out=
+            # and mode="raise"; ``rows`` are valid positions, none is clipped.
+            columns.append(np.take(v, rows, out=next(carved), mode="clip"))
+        else:
+            columns.append(v.take(rows))
+    if index is None:
+        return columns, None
+    if index_dtype is None:
+        return columns, index.take(rows)
+    out = next(carved)
+    if isinstance(index, pd.RangeIndex):
+        np.multiply(rows, index.step, out=out)
+        out += index.start
+    else:
+        np.take(index.values, rows, out=out, mode="clip")
+    return columns, pd.Index(out, name=index.name, copy=False)
 
 
 def _concat_numpy(parts: list[np.ndarray], pool: HostBufferPool) -> np.ndarray:
@@ -78,7 +124,7 @@ def _concat_numpy(parts: list[np.ndarray], pool: HostBufferPool) -> np.ndarray:
     dtype = np.result_type(*parts)
     if dtype.hasobject:
         return np.concatenate(parts)
-    return np.concatenate(parts, out=pool.empty(sum(len(p) for p in parts), dtype))
+    return np.concatenate(parts, out=pool.empty(sum(len(p) for p in parts), dtype, tag="unpack"))
 
 
 def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
@@ -150,21 +196,28 @@ def _plain_index(index: pd.Index) -> bool:
     return type(index) in (pd.Index, pd.RangeIndex) and _poolable(np.empty(0, index.dtype))
 
 
+def _fills(dtype: Any) -> bool:
+    """Whether an output column of ``dtype`` is filled in place (plain numpy data)."""
+    return isinstance(dtype, np.dtype) and not dtype.hasobject
+
+
 class _ColumnBuilder:
     """One output column, filled piece by piece.
 
-    Numeric pieces are copied straight into a pooled array of the output's
-    length, so each piece can be released once copied.  Pieces that are not
+    Numeric pieces are copied straight into ``out``, a pooled array of the
+    output's length, so each piece can be released once copied.  Pieces that are not
     plain numpy data, or would not cast safely, are collected and
     concatenated at the end.
     """
 
-    def __init__(self, dtype: Any, nrows: int, pool: HostBufferPool, index: bool = False) -> None:
+    def __init__(
+        self, dtype: Any, pool: HostBufferPool, out: np.ndarray | None, index: bool = False
+    ) -> None:
         self.dtype = dtype
         self.pool = pool
         self.index = index
-        self.filling = isinstance(dtype, np.dtype) and not dtype.hasobject
-        self.out: np.ndarray | None = pool.empty(nrows, dtype) if self.filling else None
+        self.filling = out is not None
+        self.out = out
         self.position = 0
         self.parts: list[Any] = []
 
@@ -255,6 +308,18 @@ class PandasBackend(TableBackend):
         nranks: int,
         keep_index: bool,
     ) -> tuple[PandasTable, np.ndarray]:
+        tables, offsets = self.split_groups(frame, column, rank, nranks, keep_index, [(0, nranks)])
+        return tables[0], offsets
+
+    def split_groups(
+        self,
+        frame: pd.DataFrame,
+        column: str,
+        rank: np.ndarray,
+        nranks: int,
+        keep_index: bool,
+        groups: Sequence[tuple[int, int]],
+    ) -> tuple[list[PandasTable], np.ndarray]:
         keys = rank[frame[column].to_numpy()]
         # Radix sort for <= 16-bit keys: O(n), and stable, which keeps rows of
         # one output partition in their input order.
@@ -263,20 +328,18 @@ class PandasBackend(TableBackend):
         offsets = np.zeros(nranks + 1, dtype=np.int64)
         np.cumsum(counts[:nranks], out=offsets[1:])
         # Rows of rank ``nranks`` belong to outputs nobody asked for: they sort
-        # last and are cut off here.
-        kept = int(offsets[-1])
-        if kept < len(order):
-            order = order[:kept]
+        # last and no group takes them.
         position = frame.columns.get_loc(column)
-        pool = host_pool()
-        columns = [
-            _take(_column_values(frame, i), order, pool)
-            for i in range(frame.shape[1])
-            if i != position
-        ]
-        index = _take_index(frame.index, order, pool) if keep_index else None
+        values = [_column_values(frame, i) for i in range(frame.shape[1]) if i != position]
         names = tuple(c for i, c in enumerate(frame.columns) if i != position)
-        return PandasTable(columns, index, names), offsets
+        index = frame.index if keep_index else None
+        pool = host_pool()
+        tables = []
+        for first, last in groups:
+            # Each group's numpy columns share one pooled block of their own.
+            columns, taken = _take_rows(values, index, order[offsets[first] : offsets[last]], pool)
+            tables.append(PandasTable(columns, taken, names))
+        return tables, offsets
 
     def slice(self, table: PandasTable, start: int, stop: int) -> PandasTable:
         return PandasTable(
@@ -289,12 +352,24 @@ class PandasBackend(TableBackend):
         self, tables: Iterable[PandasTable], nrows: int, meta: pd.DataFrame, keep_index: bool
     ) -> pd.DataFrame:
         pool = host_pool()
-        columns = [_ColumnBuilder(dtype, nrows, pool) for dtype in meta.dtypes]
-        index_builder = (
-            _ColumnBuilder(meta.index.dtype, nrows, pool, index=True)
-            if keep_index and _plain_index(meta.index)
-            else None
-        )
+        dtypes = list(meta.dtypes)
+        plain_index = keep_index and _plain_index(meta.index)
+        if plain_index:
+            dtypes.append(meta.index.dtype)
+        # The numeric output columns share one pooled block, allocated once.
+        filled = iter(_carve(pool, nrows, [d for d in dtypes if _fills(d)], "unpack"))
+        builders = [
+            _ColumnBuilder(
+                d,
+                pool,
+                next(filled) if _fills(d) else None,
+                index=plain_index and i == len(meta.dtypes),
+            )
+            for i, d in enumerate(dtypes)
+        ]
+        columns = builders[: len(meta.dtypes)]
+        index_builder = builders[-1] if plain_index else None
+        del builders
         indexes: list[pd.Index] = []
         for table in tables:
             for builder, values in zip(columns, table.columns, strict=True):

@@ -56,7 +56,20 @@ class WorkerMemory:
     device_known: bool = False
     moves: dict[tuple[str, str], Movement] = field(default_factory=dict)
     runs_started: int = 0
+    #: Bytes of shards that arrived (or were split locally) and wait for the
+    #: store to take them: not yet charged to any tier.
+    waiting: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    #: The host limit is ``auto`` (:func:`auto_host_limit`), sized anew when a
+    #: run starts on a worker where no other run holds host memory.
+    auto_host: bool = False
+
+    def start_run(self) -> None:
+        """A run starts: size an ``auto`` host limit from what the worker has free now."""
+        with self._lock:
+            if self.auto_host and self.host.bytes == 0:
+                self.host.limit = auto_host_limit(self.disk_enabled)
 
     def tier(self, name: str) -> TierUsage:
         return {DEVICE: self.device, HOST: self.host, DISK: self.disk}[name]
@@ -70,6 +83,11 @@ class WorkerMemory:
     def release(self, name: str, nbytes: int) -> None:
         with self._lock:
             self.tier(name).bytes -= nbytes
+
+    def wait(self, nbytes: int) -> None:
+        """``nbytes`` more (or, negative, fewer) bytes wait for the store."""
+        with self._lock:
+            self.waiting += nbytes
 
     def moved(self, source: str, target: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -146,18 +164,120 @@ def reset_worker_memory() -> None:
         _MEMORY = None
 
 
+#: The most host memory an ``auto`` budget gives received shards, per worker:
+#: with it a shuffle's peak stayed at or below ``p2p``'s in the benchmark
+#: (``p2p`` peaked 0.5 to 1.1 GiB above its start there); the rest goes to disk.
+AUTO_HOST_LIMIT_MAX = 256 << 20
+
+
+def auto_host_limit(disk_enabled: bool = True) -> int:
+    """The ``auto`` host budget: half of what this worker has free, at most 256 MiB.
+
+    *Free* is what the process may still grow before distributed starts
+    spilling the worker's own data (``distributed.worker.memory.spill``, or
+    the pause or terminate threshold if spilling is off) times its memory
+    limit, minus its RSS now.  Received shards beyond the budget go to disk;
+    with disk off there is nowhere to go, so the 256 MiB cap does not apply
+    (it would only turn a shuffle that fits into an error).
+    """
+    import dask.config
+    import psutil
+
+    from gpushuffle import config
+
+    threshold = 1.0
+    for key in ("spill", "pause", "terminate"):
+        value = dask.config.get(f"distributed.worker.memory.{key}", default=False)
+        if value:
+            threshold = float(value)
+            break
+    rss = psutil.Process().memory_info().rss
+    free = max(0, int(threshold * config.worker_memory_limit()) - rss)
+    return free // 2 if not disk_enabled else min(AUTO_HOST_LIMIT_MAX, free // 2)
+
+
 def _from_config() -> WorkerMemory:
     from gpushuffle import config
 
     host_total = config.worker_memory_limit()
+    host_limit = config.get("memory.host-limit")
+    auto = host_limit == "auto"
+    disk_enabled = bool(config.get("storage.disk"))
     return WorkerMemory(
         # Read when a device backend's run first asks (worker_memory()).
         device=TierUsage(limit=None),
         host=TierUsage(
-            limit=config.parse_budget(
-                config.get("memory.host-limit"), host_total, "memory.host-limit"
-            )
+            limit=auto_host_limit(disk_enabled)
+            if auto
+            else config.parse_budget(host_limit, host_total, "memory.host-limit")
         ),
         disk=TierUsage(limit=None),
-        disk_enabled=bool(config.get("storage.disk")),
+        disk_enabled=disk_enabled,
+        auto_host=auto,
     )
+
+
+def memory_breakdown(worker: Any = None) -> dict[str, int]:
+    """What shuffles hold on this process now, in bytes, by where it is.
+
+    For the benchmark's timeline (sampled every 20 ms beside RSS), so it reads
+    counters only, and creates neither budgets nor the pool:
+
+    ``store_device``, ``store_host``, ``store_disk``
+        received (and local) shards in the store, per tier, all runs;
+    ``waiting``
+        shards that arrived and wait for room in the store;
+    ``pool_free``
+        free blocks the host pool keeps for reuse;
+    ``pool_split``, ``pool_unpack``, ``pool_read``, ``pool_other``
+        pool blocks in use: split buffers (the local part of which is also
+        counted in ``store_host``), output partitions being built or not yet
+        released, pieces read back from disk;
+    ``comm_out``
+        shards in distributed's comm buffers, waiting to be sent (any
+        P2P run, ``p2p``'s included);
+    ``p2p_buffer``
+        received shards in ``p2p``'s own disk buffers, not yet on disk;
+    ``phase``
+        0 no run, 1 transferring, 2 some run passed its barrier.
+    """
+    from gpushuffle.engine import pool
+
+    row = dict.fromkeys(
+        (
+            "store_device",
+            "store_host",
+            "store_disk",
+            "waiting",
+            "pool_free",
+            "pool_split",
+            "pool_unpack",
+            "pool_read",
+            "pool_other",
+            "comm_out",
+            "p2p_buffer",
+            "phase",
+        ),
+        0,
+    )
+    memory = _MEMORY
+    if memory is not None:
+        row["store_device"] = memory.device.bytes
+        row["store_host"] = memory.host.bytes
+        row["store_disk"] = memory.disk.bytes
+        row["waiting"] = memory.waiting
+    host_pool = pool._POOL
+    if host_pool is not None:
+        for key, value in host_pool.usage().items():
+            row[f"pool_{key}"] = value
+    plugin = getattr(worker, "plugins", {}).get("shuffle") if worker is not None else None
+    # distributed keeps a worker's runs in a private dict; list() copies it
+    # under the GIL, so the event loop may change it meanwhile.
+    runs = list(getattr(getattr(plugin, "shuffle_runs", None), "_active_runs", {}).values())
+    for run in runs:
+        row["comm_out"] += int(getattr(getattr(run, "_comm_buffer", None), "bytes_memory", 0))
+        disk_buffer = getattr(run, "_disk_buffer", None)
+        if type(disk_buffer).__name__ == "DiskShardsBuffer":
+            row["p2p_buffer"] += int(getattr(disk_buffer, "bytes_memory", 0))
+        row["phase"] = max(row["phase"], 2 if getattr(run, "transferred", False) else 1)
+    return row

@@ -1,36 +1,60 @@
-"""A pool of reusable host buffers.
+"""A pool of reusable host buffers, given back to the OS when shuffles stop.
 
-Fresh host memory is expensive: a worker started by a Nanny returns freed
-memory to the OS (``MALLOC_TRIM_THRESHOLD_``), so every large allocation is
-faulted in again, page by page, and on a fragmented machine that costs far
-more than the copy that fills it.  Splits and unpacks allocate their column
-buffers here instead.  A buffer returns to the pool when the last array
-viewing it is garbage collected, wherever that happens (after a shard was
-sent, after an output partition was consumed), and is handed out again to
-the next request of a similar size.
+Fresh host memory is expensive: the kernel zeroes every page on first touch,
+and a worker started by a Nanny hands freed memory straight back to the OS
+(``MALLOC_TRIM_THRESHOLD_``), so every large allocation pays that again.
+Splits, unpacks and reads from disk allocate their buffers here instead.  A
+buffer returns to the pool when the last array viewing it is garbage
+collected, wherever that happens (after a shard was sent, after an output
+partition was consumed), and is handed out again to the next request of a
+similar size.
 
-Free buffers are bounded (``gpushuffle.memory.host-pool.limit``) and given
-back to the OS after ``gpushuffle.memory.host-pool.idle-release`` unused.
+Blocks are anonymous private mappings of their own (``mmap``), advised to
+use transparent huge pages: faulting them in costs about a fifth of what
+4 KiB pages cost, and releasing one unmaps it, so the memory really leaves
+the process whatever the allocator's settings (glibc keeps freed heap
+memory, and per-thread arenas are trimmed only by ``malloc_trim``).
+
+Free blocks are bounded (``gpushuffle.memory.host-pool.limit``).  While a
+shuffle runs (:meth:`HostBufferPool.hold`), a block unused for an eighth of
+``gpushuffle.memory.host-pool.idle-release`` is unmapped: no request of its
+size is coming.  Once no shuffle has run on the worker for the whole
+``idle-release``, every free block goes and malloc is trimmed, so a worker
+returns to the memory it had before the shuffle, while shuffles that follow
+each other closely still reuse the blocks.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
+import mmap
 import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 #: Smaller requests are left to the allocator: they are cheap and many.
 MIN_POOLED_BYTES = 1 << 20
-#: A free buffer serves requests down to 1 / SLACK of its size.
+#: A free buffer serves requests down to about 1 / (SLACK * HEADROOM) of its size.
 SLACK = 1.25
-_ALIGN = 1 << 16
+#: Fresh blocks are mapped this much larger than asked (only touched pages
+#: become memory), so that requests of about the same size reuse them.
+HEADROOM = 1.125
+_PAGE = 1 << 16
+_HUGE = 1 << 21
+#: Blocks at least this large are rounded to whole huge pages: the kernel
+#: then aligns the mapping so that every page of it can be a huge page.
+_HUGE_ROUND_FROM = 8 << 20
+
+#: What a buffer is for; :meth:`HostBufferPool.usage` reports bytes in use by tag.
+TAGS = ("split", "unpack", "read", "other")
 
 
 @dataclass
@@ -42,9 +66,44 @@ class PoolStatistics:
     bytes_released: int = 0
     bytes_free: int = 0
     bytes_free_peak: int = 0
+    bytes_in_use: int = 0
+    #: Times every free block went back to the OS because no shuffle ran.
+    idle_releases: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+def _map(nbytes: int) -> mmap.mmap:
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # Where transparent huge pages are "madvise" (the usual default),
+        # only advised mappings get them.
+        with contextlib.suppress(OSError):
+            block.madvise(mmap.MADV_HUGEPAGE)
+    return block
+
+
+def _unmap(block: mmap.mmap) -> bool:
+    try:
+        block.close()
+    except BufferError:  # pragma: no cover - a view escaped; the GC unmaps it later
+        return False
+    return True
+
+
+def malloc_trim() -> None:
+    """Return the C allocator's free memory to the OS (glibc only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@dataclass
+class _Activity:
+    """Shuffles running on this process, and when the last one stopped."""
+
+    active: int = 0
+    since: float = field(default_factory=time.monotonic)
 
 
 class HostBufferPool:
@@ -55,7 +114,10 @@ class HostBufferPool:
     limit
         Most bytes of free blocks kept; 0 disables pooling.
     idle_release
-        Seconds a free block may stay unused before it is released.
+        Seconds a free block may stay unused, and seconds after the last
+        shuffle on the worker stopped (see :meth:`hold`) before every free
+        block is unmapped and malloc is trimmed; 0 leaves that to explicit
+        :meth:`release_idle` calls.
     """
 
     def __init__(self, limit: int, idle_release: float) -> None:
@@ -64,15 +126,24 @@ class HostBufferPool:
         self._lock = threading.Lock()
         # Free blocks sorted by size, with the time each was returned.
         self._sizes: list[int] = []
-        self._blocks: list[tuple[np.ndarray, float]] = []
+        self._blocks: list[tuple[mmap.mmap, float]] = []
         # Finalizers may run in any thread, even inside a pool call of the
         # same thread (a garbage collection): they only append here.
-        self._returned: deque[np.ndarray] = deque()
+        self._returned: deque[tuple[mmap.mmap, str]] = deque()
+        self._in_use = dict.fromkeys(TAGS, 0)
+        self._activity = _Activity()
+        self._idle_released = True  # nothing to release yet
         self.statistics = PoolStatistics()
         self._trimmer: threading.Thread | None = None
 
-    def empty(self, n: int, dtype: Any) -> np.ndarray:
-        """An uninitialized array of ``n`` items of ``dtype``."""
+    # -- handing out ----------------------------------------------------------
+
+    def empty(self, n: int, dtype: Any, tag: str = "other") -> np.ndarray:
+        """An uninitialized array of ``n`` items of ``dtype``.
+
+        ``tag`` says what the buffer is for (one of :data:`TAGS`), for
+        :meth:`usage`.
+        """
         dtype = np.dtype(dtype)
         nbytes = n * dtype.itemsize
         if self.limit <= 0 or nbytes < MIN_POOLED_BYTES or dtype.hasobject:
@@ -84,58 +155,126 @@ class HostBufferPool:
             block = self._take(nbytes)
             if block is not None:
                 stats.reused += 1
-                stats.bytes_reused += block.nbytes
+                stats.bytes_reused += len(block)
         if block is None:
-            block = np.empty(-(-nbytes // _ALIGN) * _ALIGN, dtype=np.uint8)
+            # Mapped with headroom: pages never touched cost no memory, and
+            # the next request a little larger (the next output partition,
+            # the next shard) can still take this block instead of a fresh one.
+            size = int(nbytes * HEADROOM)
+            rounding = _HUGE if size >= _HUGE_ROUND_FROM else _PAGE
+            block = _map(-(-size // rounding) * rounding)
             with self._lock:
-                stats.bytes_fresh += block.nbytes
-        # Views of ``block`` itself would collapse their base onto it, so
-        # lifetime is tracked on a ctypes owner that every view keeps alive.
-        owner = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
-        weakref.finalize(owner, self._returned.append, block)
+                # What was asked for: the headroom is address space only.
+                stats.bytes_fresh += nbytes
+        with self._lock:
+            self._in_use[tag] += len(block)
+            stats.bytes_in_use += len(block)
+            self._idle_released = False
+        # Lifetime is tracked on a ctypes owner that every view keeps alive
+        # (views of views collapse their base onto it).
+        owner = (ctypes.c_char * len(block)).from_buffer(block)
+        weakref.finalize(owner, self._returned.append, (block, tag))
         self._ensure_trimmer()
         return np.frombuffer(owner, dtype=dtype, count=n)  # type: ignore[call-overload]
 
-    def _take(self, nbytes: int) -> np.ndarray | None:
+    def _take(self, nbytes: int) -> mmap.mmap | None:
         i = bisect.bisect_left(self._sizes, nbytes)
-        if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK:
+        if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK * HEADROOM + _HUGE:
             return None
         del self._sizes[i]
         block, _ = self._blocks.pop(i)
-        self.statistics.bytes_free -= block.nbytes
+        self.statistics.bytes_free -= len(block)
         return block
 
     def _absorb_returned(self) -> None:
-        now = time.monotonic()
         stats = self.statistics
+        now = time.monotonic()
         while self._returned:
-            block = self._returned.popleft()
-            if stats.bytes_free + block.nbytes > self.limit:
-                stats.bytes_released += block.nbytes
+            block, tag = self._returned.popleft()
+            size = len(block)
+            self._in_use[tag] -= size
+            stats.bytes_in_use -= size
+            if stats.bytes_free + size > self.limit and _unmap(block):
+                stats.bytes_released += size
                 continue
-            i = bisect.bisect_left(self._sizes, block.nbytes)
-            self._sizes.insert(i, block.nbytes)
+            i = bisect.bisect_left(self._sizes, size)
+            self._sizes.insert(i, size)
             self._blocks.insert(i, (block, now))
-            stats.bytes_free += block.nbytes
+            stats.bytes_free += size
             stats.bytes_free_peak = max(stats.bytes_free_peak, stats.bytes_free)
 
+    # -- giving back ----------------------------------------------------------
+
     def release_idle(self, older_than: float | None = None) -> int:
-        """Release free blocks unused for ``older_than`` seconds (all if 0)."""
+        """Unmap free blocks unused for ``older_than`` seconds (an eighth of
+        that while shuffles run); all of them once no shuffle has run on the
+        worker for that long.
+
+        ``older_than`` defaults to ``idle_release``; 0 releases every free
+        block now.  Returns the bytes unmapped.
+        """
         older_than = self.idle_release if older_than is None else older_than
         with self._lock:
             self._absorb_returned()
-            cutoff = time.monotonic() - older_than
-            keep = [
-                (s, b)
-                for s, b in zip(self._sizes, self._blocks, strict=True)
-                if older_than > 0 and b[1] > cutoff
-            ]
-            released = self.statistics.bytes_free - sum(s for s, _ in keep)
-            self._sizes = [s for s, _ in keep]
-            self._blocks = [b for _, b in keep]
+            now = time.monotonic()
+            active, since = self._activity.active, self._activity.since
+            quiet = not active and now - since >= older_than
+            # While shuffles run, a block nobody took for an eighth of the
+            # grace period is of a size no request has (split buffers once
+            # the transfer is over, say): it would only add to the peak.
+            unused = older_than / 8 if active else older_than
+            released = 0
+            keep_sizes, keep_blocks = [], []
+            for size, (block, returned) in zip(self._sizes, self._blocks, strict=True):
+                stale = now - max(returned, since) >= unused
+                if (quiet or stale) and _unmap(block):
+                    released += size
+                else:
+                    keep_sizes.append(size)
+                    keep_blocks.append((block, returned))
+            self._sizes, self._blocks = keep_sizes, keep_blocks
             self.statistics.bytes_free -= released
             self.statistics.bytes_released += released
+            trim = released > 0 or (quiet and not self._idle_released)
+            if quiet:
+                self._idle_released = True
+        if trim:
+            # Memory the C allocator holds (received messages, pickles,
+            # pandas internals) goes back too.
+            malloc_trim()
+            self.statistics.idle_releases += 1
         return released
+
+    # -- shuffles running -----------------------------------------------------
+
+    def hold(self) -> None:
+        """A shuffle started on this worker: keep free blocks for it."""
+        with self._lock:
+            self._activity.active += 1
+            self._activity.since = time.monotonic()
+        self._ensure_trimmer()
+
+    def unhold(self) -> None:
+        """A shuffle ended; after ``idle_release`` without one, free blocks go."""
+        with self._lock:
+            self._activity.active = max(0, self._activity.active - 1)
+            self._activity.since = time.monotonic()
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.unhold()
+
+    def usage(self) -> dict[str, int]:
+        """Bytes of free blocks (``free``) and of blocks in use, by tag."""
+        with self._lock:
+            self._absorb_returned()
+            return {"free": self.statistics.bytes_free, **self._in_use}
+
+    # -- background release -------------------------------------------------
 
     def _ensure_trimmer(self) -> None:
         if self._trimmer is not None or self.idle_release <= 0:
@@ -150,7 +289,7 @@ class HostBufferPool:
 
     def _trim_forever(self) -> None:
         while True:
-            time.sleep(max(self.idle_release / 4, 0.05))
+            time.sleep(min(max(self.idle_release / 16, 0.02), 0.1))
             self.release_idle()
 
 
@@ -172,14 +311,19 @@ def _make_pool() -> HostBufferPool:
     from dask.utils import parse_timedelta
 
     from gpushuffle import config
+    from gpushuffle.engine.memory import auto_host_limit
 
     total = config.worker_memory_limit()
     limit = config.parse_budget(
         config.get("memory.host-pool.limit"), total, "memory.host-pool.limit"
     )
-    # Free buffers are memory too: never keep more than the store may hold.
-    limit = min(
-        limit, config.parse_budget(config.get("memory.host-limit"), total, "memory.host-limit")
+    # Free blocks are memory too: never keep more than the store may hold.
+    host_limit = config.get("memory.host-limit")
+    budget = (
+        auto_host_limit(bool(config.get("storage.disk")))
+        if host_limit == "auto"
+        else config.parse_budget(host_limit, total, "memory.host-limit")
     )
+    limit = min(limit, budget)
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(limit=limit, idle_release=idle or 0)

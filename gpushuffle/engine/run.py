@@ -191,13 +191,17 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def _shard_partition(self, data: Any, partition_id: int) -> dict[str, Shard]:  # type: ignore[override]
         backend = self.backend
-        table, offsets = backend.split(data, self.column, self.rank, self.nranks, self.keep_index)
+        # One table per destination, each in its own buffers: what goes to
+        # another worker is freed once sent, whatever the local shard keeps.
+        ranges = list(self.rank_range.items())
+        tables, offsets = backend.split_groups(
+            data, self.column, self.rank, self.nranks, self.keep_index, [r for _, r in ranges]
+        )
         out: dict[str, Shard] = {}
-        for address, (first, last) in self.rank_range.items():
+        for (address, (first, last)), view in zip(ranges, tables, strict=True):
             start, stop = int(offsets[first]), int(offsets[last])
             if stop == start:
                 continue
-            view = backend.slice(table, start, stop)
             out[address] = Shard(
                 backend=backend.name,
                 input_partition=partition_id,

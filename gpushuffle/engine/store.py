@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import mmap
 import os
 import shutil
 import threading
@@ -34,8 +35,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
@@ -142,6 +141,10 @@ class ShardStore:
         self._evicting = asyncio.Lock()
         self._closed = False
         self.statistics = StoreStatistics()
+        # Free pool blocks stay while a run is open, for its next split or
+        # unpack; the last run closing starts the pool's countdown to release.
+        host_pool().hold()
+        memory.start_run()
 
     # -- receiving (event loop) --------------------------------------------
 
@@ -173,7 +176,12 @@ class ShardStore:
         # One shard at a time: a receiver waits here while an earlier one
         # makes room, so the store holds at most its budget plus one shard
         # (and senders wait for the reply: back-pressure).
-        async with self._evicting:
+        self._memory.wait(shard.nbytes)
+        try:
+            await self._evicting.acquire()
+        finally:
+            self._memory.wait(-shard.nbytes)
+        try:
             with self._lock:
                 # A closed store (its run failed or was restarted after a
                 # worker left) must not take bytes that nobody will release.
@@ -185,6 +193,8 @@ class ShardStore:
             await self._make_room()
             # Closed while making room: what was put is gone with the store.
             self._raise_if_closed()
+        finally:
+            self._evicting.release()
 
     async def _make_room(self) -> None:
         for tier in (DEVICE, HOST):
@@ -204,31 +214,42 @@ class ShardStore:
         return None
 
     async def _move_down(self, group: _Group) -> None:
+        if group.tier == HOST:
+            await self._move_to_disk(group)
+            return
         for piece in list(group.pieces):
             if piece.group is not group or piece.reading:
                 continue
-            if group.tier == DEVICE:
-                start = time.perf_counter()
-                # Off the event loop: a device -> host copy takes as long as
-                # its bytes need, and receives must go on meanwhile.
-                host_table = await self._offload(self._backend.to_host, piece.table)
-                moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
-                with self._lock:
-                    if piece.group is not group or piece.reading:
-                        continue  # read or released meanwhile: keep it where it is
-                    piece.table, piece.group = host_table, moved
-                    self._add_group(moved)
-                    self._charge(HOST, piece.nbytes)
-                    self._memory.moved(DEVICE, HOST, piece.nbytes, time.perf_counter() - start)
-            else:
-                start = time.perf_counter()
-                header, frames = self._backend.serialize(piece.table)
-                location = await self._offload(self._append, piece.partition, header, frames)
-                with self._lock:
-                    piece.table, piece.group, piece.disk = None, None, location
-                    self._charge(DISK, piece.nbytes)
-                    self._memory.moved(HOST, DISK, piece.nbytes, time.perf_counter() - start)
+            start = time.perf_counter()
+            # Off the event loop: a device -> host copy takes as long as
+            # its bytes need, and receives must go on meanwhile.
+            host_table = await self._offload(self._backend.to_host, piece.table)
+            moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
+            with self._lock:
+                if piece.group is not group or piece.reading:
+                    continue  # read or released meanwhile: keep it where it is
+                piece.table, piece.group = host_table, moved
+                self._add_group(moved)
+                self._charge(HOST, piece.nbytes)
+                self._memory.moved(DEVICE, HOST, piece.nbytes, time.perf_counter() - start)
             self._unref(group)
+
+    async def _move_to_disk(self, group: _Group) -> None:
+        """Append each piece of ``group`` to its partition's file, in one trip
+        to the offload thread (a group holds a piece for every partition)."""
+        start = time.perf_counter()
+        pieces = [p for p in group.pieces if p.group is group and not p.reading]
+        items = [(p.partition, *self._backend.serialize(p.table)) for p in pieces]
+        locations = await self._offload(self._append_all, items)
+        seconds = (time.perf_counter() - start) / max(len(pieces), 1)
+        with self._lock:
+            for piece, location in zip(pieces, locations, strict=True):
+                if piece.reading or piece.group is not group:
+                    continue  # an unpack took it meanwhile: it reads the memory copy
+                piece.table, piece.group, piece.disk = None, None, location
+                self._charge(DISK, piece.nbytes)
+                self._memory.moved(HOST, DISK, piece.nbytes, seconds)
+                self._unref_locked(group)
 
     async def _wait_until_within(self, tier: str) -> None:
         usage = self._memory.tier(tier)
@@ -254,6 +275,11 @@ class ShardStore:
             # Another shuffle on this worker holds memory it will release when
             # its outputs are read: hold the sender until then.
             await asyncio.sleep(0.05)
+
+    def _append_all(
+        self, items: list[tuple[int, dict[str, Any], list[Any]]]
+    ) -> list[_DiskLocation]:
+        return [self._append(partition, header, frames) for partition, header, frames in items]
 
     def _append(self, partition: int, header: dict[str, Any], frames: list[Any]) -> _DiskLocation:
         path = os.path.join(self._directory, f"{partition}.bin")
@@ -293,13 +319,19 @@ class ShardStore:
         return sum(p.nrows for p in pieces), self._bring_up(partition, pieces)
 
     def _bring_up(self, partition: int, pieces: list[_Piece]) -> Iterator[Any]:
+        # The partition's spill file, mapped once: pieces read from it are
+        # views of the page cache, copied straight into the output, instead
+        # of a read into fresh memory and a second copy.
+        mapping: mmap.mmap | None = None
         try:
             for piece in pieces:
                 # close() deleted the spill files and released every piece.
                 self._raise_if_closed()
                 if piece.disk is not None:
                     # deserialize() returns tables on the backend's tier.
-                    table = self._load(piece)
+                    if mapping is None:
+                        mapping = _map(piece.disk.path)
+                    table = self._load(piece, mapping)
                 elif piece.group is not None and piece.group.tier != self._backend.tier:
                     # A device table moved to host memory: bring it back.
                     start = time.perf_counter()
@@ -318,18 +350,16 @@ class ShardStore:
             with contextlib.suppress(FileNotFoundError):  # or close() removed it
                 os.unlink(os.path.join(self._directory, f"{partition}.bin"))
 
-    def _load(self, piece: _Piece) -> Any:
+    def _load(self, piece: _Piece, mapping: mmap.mmap) -> Any:
         assert piece.disk is not None
         start = time.perf_counter()
         location = piece.disk
-        with open(location.path, "rb") as f:
-            f.seek(location.offset)
-            buffer = host_pool().empty(sum(location.lengths), np.uint8).data
-            f.readinto(buffer)
-        frames, offset = [], 0
+        view = memoryview(mapping)
+        frames, offset = [], location.offset
         for length in location.lengths:
-            frames.append(buffer[offset : offset + length])
+            frames.append(view[offset : offset + length])
             offset += length
+        del view
         self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
         start = time.perf_counter()
         table = self._backend.deserialize(location.header, frames)
@@ -401,11 +431,22 @@ class ShardStore:
                 group.pieces.clear()
             self._groups.clear()
             self._pieces.clear()
+        host_pool().unhold()
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise ShuffleClosedError(f"{self._describe} was closed")
+
+
+def _map(path: str) -> mmap.mmap:
+    """``path`` mapped copy-on-write: readable and writable, the file untouched.
+
+    Tables read from it are views that keep the mapping alive; it is unmapped
+    when the last of them is gone, and the (already deleted) file with it.
+    """
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
 def _gib(nbytes: int | None) -> str:

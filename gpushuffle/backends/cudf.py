@@ -46,16 +46,18 @@ wire
 assemble
     Output columns of fixed width are allocated once and each piece is copied
     into place (``copy_range_in_place``), cast to meta's type first where the
-    data's type differs (dask's meta is often loose); the store releases a
-    piece as soon as the next is asked for, so such columns cost the output
-    plus one piece.  Strings, lists and structs cannot be filled in place:
-    their pieces are kept and concatenated at the end.  Categorical columns
-    are concatenated at the end too, over the union of the pieces'
-    categories in order of appearance (as ``union_categoricals`` does for
-    pandas), and given meta's categories when those are known and cover
-    every value.  The frame is rebuilt like meta (``_from_columns_like_self``:
-    column labels, their names and dtype, the index and its names), so no
-    device -> host copy happens to learn a schema.
+    data's type differs (dask's meta is often loose); variable-width columns
+    (strings, lists, structs) are copied out of each piece and concatenated
+    at the end.  The store releases a piece as soon as the next is asked
+    for, so an unpack holds the output plus one piece, plus the copies of
+    variable-width columns: :func:`gpushuffle.backends.columns.assemble_columns`,
+    whose bound CI measures with numpy stand-in columns.  Categorical columns
+    are concatenated at the end over the union of the pieces' categories in
+    order of appearance (as ``union_categoricals`` does for pandas), and
+    given meta's categories when those are known and cover every value.
+    The frame is rebuilt like meta (``_from_columns_like_self``: column
+    labels, their names and dtype, the index and its names), so no device ->
+    host copy happens to learn a schema.
 
 The module has been type-checked against pylibcudf 26.10's stubs
 (``ci/typecheck_gpu.sh``); see the README's "Validated on" table for what has
@@ -64,7 +66,7 @@ run on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +80,7 @@ from cudf.core.column import ColumnBase
 from cudf.utils.dtypes import dtype_to_pylibcudf_type
 
 from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
+from gpushuffle.backends.columns import assemble_columns
 from gpushuffle.backends.pandas import dtype_family
 from gpushuffle.errors import ShuffleInputError
 
@@ -263,17 +266,29 @@ class CudfBackend(TableBackend):
 
     def assemble(self, tables: Iterable[Any], nrows: int, meta: Any, keep_index: bool) -> Any:
         known = self._categories_of(meta, keep_index)
-        builders = [
-            _ColumnBuilder(dtype, nrows, known.get(i))
-            for i, dtype in enumerate(_column_dtypes(meta, keep_index))
+        dtypes = _column_dtypes(meta, keep_index)
+        categorical = [i for i, d in enumerate(dtypes) if isinstance(d, cudf.CategoricalDtype)]
+        plain = [i for i in range(len(dtypes)) if i not in categorical]
+        types = {i: dtype_to_pylibcudf_type(dtypes[i]) for i in plain}
+        # Categorical pieces: codes (copied out of the piece) and categories.
+        coded: dict[int, list[tuple[plc.Column, plc.Table]]] = {i: [] for i in categorical}
+
+        def pieces() -> Iterator[list[plc.Column]]:
+            for table in tables:
+                assert table.parts is not None, "assemble takes device tables"
+                columns = table.rows.columns()
+                for i, categories in zip(categorical, table.parts[1:], strict=True):
+                    coded[i].append((columns[i].copy(), categories))
+                yield [_cast(columns[i], types[i]) for i in plain]
+                del table, columns  # let the store release this piece before the next
+
+        built = dict(zip(plain, assemble_columns(pieces(), nrows, _PLC_COLUMNS) or [], strict=True))
+        columns = [
+            _categorical(coded[i], dtypes[i], known.get(i))
+            if i in coded
+            else ColumnBase.create(built[i], dtypes[i])
+            for i in range(len(dtypes))
         ]
-        for table in tables:
-            assert table.parts is not None, "assemble takes device tables"
-            categories = iter(table.parts[1:])
-            for builder, column in zip(builders, table.rows.columns(), strict=True):
-                builder.add(column, next(categories) if builder.categorical else None)
-            del table  # let the store release this piece before the next
-        columns = [builder.finish() for builder in builders]
         if not columns:
             return cudf.DataFrame(index=cudf.RangeIndex(nrows))
         ndata = len(meta._column_names)
@@ -306,89 +321,6 @@ class CudfBackend(TableBackend):
     def nrows(self, table: CudfTable) -> int:
         return table.nrows
 
-
-class _ColumnBuilder:
-    """One output column, filled piece by piece (see the module docstring)."""
-
-    def __init__(self, dtype: Any, nrows: int, known_categories: Any = None) -> None:
-        self.dtype = dtype
-        self.nrows = nrows
-        self.categorical = isinstance(dtype, cudf.CategoricalDtype)
-        self.known_categories = known_categories
-        self.type = None if self.categorical else dtype_to_pylibcudf_type(dtype)
-        self.fill = self.type is not None and plc.traits.is_fixed_width(self.type)
-        self.out: plc.Column | None = None
-        if self.fill:
-            assert self.type is not None
-            self.out = plc.column_factories.make_fixed_width_column(
-                self.type, nrows, plc.types.MaskState.UNALLOCATED
-            )
-        self.position = 0
-        self.pieces: list[tuple[plc.Column, plc.Table | None]] = []
-
-    def add(self, column: plc.Column, categories: plc.Table | None) -> None:
-        if self.out is not None:
-            assert self.type is not None
-            if column.type() != self.type:
-                column = plc.unary.cast(column, self.type)
-            if column.null_count() and self.out.null_mask() is None:
-                mask = plc.null_mask.create_null_mask(self.nrows, plc.types.MaskState.ALL_VALID)
-                self.out = self.out.with_mask(mask, 0)
-            plc.copying.copy_range_in_place(column, self.out, 0, column.size(), self.position)
-        else:
-            self.pieces.append((column, categories))
-        self.position += column.size()
-
-    def finish(self) -> ColumnBase:
-        if self.out is not None:
-            return ColumnBase.create(self.out, self.dtype)
-        if self.categorical:
-            return self._categorical()
-        columns = [column for column, _ in self.pieces]
-        whole = columns[0].copy() if len(columns) == 1 else plc.concatenate.concatenate(columns)
-        return ColumnBase.create(whole, self.dtype)
-
-    def _categorical(self) -> ColumnBase:
-        """Codes over the union of the pieces' categories (then meta's, if known)."""
-        pieces = []
-        for piece_codes, piece_categories in self.pieces:
-            assert piece_categories is not None
-            piece_dtype = cudf.CategoricalDtype(
-                categories=ColumnBase.from_pylibcudf(piece_categories.columns()[0]),
-                ordered=self.dtype.ordered,
-            )
-            pieces.append(ColumnBase.create(piece_codes, piece_dtype))
-        non_empty = [p.categories.to_pylibcudf() for p in pieces if len(p.categories)]
-        if non_empty:
-            union = plc.stream_compaction.stable_distinct(
-                plc.Table([plc.concatenate.concatenate(non_empty)]),
-                [0],
-                plc.stream_compaction.DuplicateKeepOption.KEEP_FIRST,
-                plc.types.NullEquality.EQUAL,
-                plc.types.NanEquality.ALL_EQUAL,
-            )
-            categories = ColumnBase.from_pylibcudf(union.columns()[0])
-        else:
-            categories = pieces[0].categories
-        dtype = cudf.CategoricalDtype(categories=categories, ordered=self.dtype.ordered)
-        codes_type = dtype_to_pylibcudf_type(dtype)
-        codes = []
-        for piece in pieces:
-            remapped = piece._set_categories(categories, is_unique=True)
-            code_column = remapped.plc_column
-            if code_column.type() != codes_type:
-                code_column = plc.unary.cast(code_column, codes_type)
-            codes.append(code_column)
-        whole = codes[0] if len(codes) == 1 else plc.concatenate.concatenate(codes)
-        out = ColumnBase.create(whole, dtype)
-        known = self.known_categories
-        if known is not None and bool(
-            cudf.Index._from_column(categories).isin(cudf.Index._from_column(known)).all()
-        ):
-            # meta's categories cover every value: the output gets meta's dtype.
-            out = out._set_categories(known, is_unique=True, ordered=bool(self.dtype.ordered))
-        return out
-
     def merge(
         self,
         left: Any,
@@ -419,6 +351,97 @@ class _ColumnBuilder:
         if list(out.columns) != list(meta.columns):
             out = out[list(meta.columns)]
         return out
+
+
+class _PlcColumns:
+    """:class:`~gpushuffle.backends.columns.ColumnOps` over pylibcudf columns."""
+
+    def size(self, column: plc.Column) -> int:
+        return column.size()
+
+    def null_count(self, column: plc.Column) -> int:
+        return column.null_count()
+
+    def fits(self, column: plc.Column, out: plc.Column) -> bool:
+        return column.type() == out.type()
+
+    def fixed_width(self, column: plc.Column) -> bool:
+        return plc.traits.is_fixed_width(column.type())
+
+    def allocate(self, like: plc.Column, nrows: int) -> plc.Column:
+        # With a validity mask: any piece may hold nulls (dropped in finish()
+        # when none did).
+        return plc.column_factories.make_fixed_width_column(
+            like.type(), nrows, plc.types.MaskState.ALL_VALID
+        )
+
+    def copy_into(self, column: plc.Column, out: plc.Column, position: int) -> None:
+        plc.copying.copy_range_in_place(column, out, 0, column.size(), position)
+
+    def head(self, out: plc.Column, nrows: int) -> plc.Column:
+        return plc.copying.slice(out, [0, nrows])[0]
+
+    def copy(self, column: plc.Column) -> plc.Column:
+        return column.copy()
+
+    def concatenate(self, columns: Sequence[plc.Column]) -> plc.Column:
+        return plc.concatenate.concatenate(list(columns))
+
+    def finish(self, out: plc.Column, nulls: int) -> plc.Column:
+        return out if nulls else out.with_mask(None, 0)
+
+
+_PLC_COLUMNS = _PlcColumns()
+
+
+def _cast(column: plc.Column, type: plc.DataType) -> plc.Column:
+    """``column`` as meta's type (dask's meta is often loose: int data, float meta)."""
+    if column.type() == type or not plc.traits.is_fixed_width(type):
+        return column
+    return plc.unary.cast(column, type)
+
+
+def _categorical(
+    pieces: list[tuple[plc.Column, plc.Table]], meta_dtype: Any, known: Any
+) -> ColumnBase:
+    """Codes over the union of the pieces' categories (then meta's, if known)."""
+    columns = []
+    for piece_codes, piece_categories in pieces:
+        assert piece_categories is not None
+        piece_dtype = cudf.CategoricalDtype(
+            categories=ColumnBase.from_pylibcudf(piece_categories.columns()[0]),
+            ordered=meta_dtype.ordered,
+        )
+        columns.append(ColumnBase.create(piece_codes, piece_dtype))
+    non_empty = [c.categories.to_pylibcudf() for c in columns if len(c.categories)]
+    if non_empty:
+        union = plc.stream_compaction.stable_distinct(
+            plc.Table([plc.concatenate.concatenate(non_empty)]),
+            [0],
+            plc.stream_compaction.DuplicateKeepOption.KEEP_FIRST,
+            plc.types.NullEquality.EQUAL,
+            plc.types.NanEquality.ALL_EQUAL,
+        )
+        categories = ColumnBase.from_pylibcudf(union.columns()[0])
+    else:
+        categories = columns[0].categories
+    dtype = cudf.CategoricalDtype(categories=categories, ordered=meta_dtype.ordered)
+    codes_type = dtype_to_pylibcudf_type(dtype)
+    codes = []
+    for column in columns:
+        remapped = column._set_categories(categories, is_unique=True)
+        code_column = remapped.plc_column
+        if code_column.type() != codes_type:
+            code_column = plc.unary.cast(code_column, codes_type)
+        codes.append(code_column)
+    whole = codes[0] if len(codes) == 1 else plc.concatenate.concatenate(codes)
+    out = ColumnBase.create(whole, dtype)
+    if known is not None and bool(
+        cudf.Index._from_column(categories).isin(cudf.Index._from_column(known)).all()
+    ):
+        # meta's categories cover every value: the output gets meta's dtype.
+        out = out._set_categories(known, is_unique=True, ordered=bool(meta_dtype.ordered))
+    return out
 
 
 def _staging_bytes(nbytes: int) -> int:

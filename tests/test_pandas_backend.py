@@ -105,6 +105,21 @@ def test_shard_serializes_through_distributed():
     )
 
 
+def test_string_columns_come_out_in_one_chunk():
+    """Pieces concatenated chunk by chunk would slow every later use of the output."""
+    backend = PandasBackend()
+    df = frame_with_partitions(3000, 1)
+    pieces = []
+    for i in range(30):
+        part = df.iloc[i * 100 : (i + 1) * 100]
+        table, _ = backend.split(part, "_partitions", np.zeros(1, np.int16), 1, True)
+        pieces.append(table)
+    meta = df.iloc[:0].drop(columns="_partitions")
+    out = backend.concat(pieces, meta, True)
+    assert out["s"].array._pa_array.num_chunks == 1
+    pd.testing.assert_frame_equal(out, df.drop(columns="_partitions"))
+
+
 def test_concat_casts_to_meta_without_losing_values():
     backend = PandasBackend()
     meta = pd.DataFrame(

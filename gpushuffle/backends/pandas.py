@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 from pandas.api.types import union_categoricals
 
 from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
@@ -151,12 +152,28 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
         out = type(first)._concat_same_type(parts)
     else:
         out = pd.concat([pd.Series(p, copy=False) for p in parts], ignore_index=True).array
+    out = _contiguous(out)
     if out.dtype != dtype:
         if isinstance(out, np.ndarray) and not isinstance(dtype, np.dtype):
             out = pd.Series(out, copy=False).astype(dtype).array
         else:
             out = out.astype(dtype, copy=False)
     return out
+
+
+def _contiguous(values: Any) -> Any:
+    """Arrow-backed ``values`` as one chunk: one copy of the string bytes.
+
+    Concatenated pieces are one chunk each (up to one per input partition):
+    every later use pays for them (``nbytes``, hence distributed's
+    ``sizeof`` of each output, ``take``, comparisons), and each chunk keeps
+    the whole message buffer it arrived in alive after the store released it.
+    """
+    chunked = getattr(values, "_pa_array", None)
+    rebuild = getattr(values, "_from_pyarrow_array", None)
+    if isinstance(chunked, pa.ChunkedArray) and chunked.num_chunks > 1 and rebuild is not None:
+        return rebuild(chunked.combine_chunks())
+    return values
 
 
 def dtype_family(dtype: Any) -> str:

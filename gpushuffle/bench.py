@@ -68,13 +68,82 @@ class Result:
         return self.input_bytes / 2**30 / self.wall_s
 
 
-def make_partition(i: int, rows: int, ncols: int, nkeys: int) -> pd.DataFrame:
-    """One input partition: an int64 ``key`` and ``ncols - 1`` int64/float64 columns."""
+#: Column kinds of ``--dtypes mixed``, in the order they repeat.
+MIXED_KINDS = (
+    "str",
+    "category",
+    "datetime",
+    "datetime-tz",
+    "Int64",
+    "boolean",
+    "float-nan",
+    "int64",
+)
+DTYPES = ("numeric", "mixed")
+
+
+def make_partition(
+    i: int, rows: int, ncols: int, nkeys: int, dtypes: str = "numeric"
+) -> pd.DataFrame:
+    """One input partition: an int64 ``key`` and ``ncols - 1`` more columns.
+
+    ``numeric``: int64 and float64 columns.  ``mixed``: what users' frames
+    hold, in turn (:data:`MIXED_KINDS`): strings of 4 to 40 characters in
+    pandas' default string dtype, categoricals, naive and tz-aware
+    timestamps, nullable Int64 and boolean with 10% missing, floats with 10%
+    NaN, int64.
+    """
     rng = np.random.default_rng(i)
     data: dict[str, Any] = {"key": rng.integers(0, nkeys, rows)}
     for c in range(1, ncols):
-        data[f"c{c}"] = rng.integers(0, 2**40, rows) if c % 2 else rng.random(rows)
+        if dtypes == "numeric":
+            data[f"c{c}"] = rng.integers(0, 2**40, rows) if c % 2 else rng.random(rows)
+        else:
+            kind = MIXED_KINDS[(c - 1) % len(MIXED_KINDS)]
+            data[f"{kind}{c}"] = _mixed_column(kind, rng, rows)
     return pd.DataFrame(data)
+
+
+_VOCABULARY: Any = None
+
+
+def _strings(rng: np.random.Generator, rows: int) -> Any:
+    import pyarrow as pa
+
+    global _VOCABULARY
+    if _VOCABULARY is None:
+        lengths = np.random.default_rng(0).integers(4, 41, 10_000)
+        _VOCABULARY = pa.array(
+            ["".join(chr(97 + (j * 7 + w) % 26) for j in range(n)) for w, n in enumerate(lengths)]
+        )
+    values = _VOCABULARY.take(pa.array(rng.integers(0, len(_VOCABULARY), rows)))
+    # pandas' default string dtype: "str" (Arrow-backed) from pandas 3 on.
+    return pd.array(values, dtype=pd.Series(["x"]).dtype)
+
+
+def _mixed_column(kind: str, rng: np.random.Generator, rows: int) -> Any:
+    missing = rng.random(rows) < 0.1
+    if kind == "str":
+        return _strings(rng, rows)
+    if kind == "category":
+        return pd.Categorical.from_codes(
+            rng.integers(0, 50, rows), categories=pd.Index([f"group-{g}" for g in range(50)])
+        )
+    if kind in ("datetime", "datetime-tz"):
+        seconds = rng.integers(0, 365 * 86400, rows)
+        values = pd.Series(np.datetime64("2026-01-01", "ns") + seconds.astype("m8[s]"))
+        return (
+            values.dt.tz_localize("UTC").dt.tz_convert("Europe/Berlin") if "tz" in kind else values
+        )
+    if kind == "Int64":
+        return pd.arrays.IntegerArray(rng.integers(-(10**6), 10**6, rows), missing)
+    if kind == "boolean":
+        return pd.arrays.BooleanArray(rng.random(rows) < 0.5, missing)
+    if kind == "float-nan":
+        floats = rng.random(rows)
+        floats[missing] = np.nan
+        return floats
+    return rng.integers(0, 2**40, rows)
 
 
 # -- worker RSS, sampled on each worker in a thread of its own ---------------
@@ -191,6 +260,7 @@ def run_benchmark(
     memory_limit: str | None = None,
     settle: float = 0.0,
     on_result: Any = None,
+    dtypes: str = "numeric",
 ) -> tuple[list[Result], dict[str, Any]]:
     """Run each method ``repeat`` times on one cluster; return results and context.
 
@@ -229,7 +299,8 @@ def run_benchmark(
             sizes,
             [columns] * partitions,
             [rows] * partitions,
-            meta=make_partition(0, 0, columns, rows),
+            [dtypes] * partitions,
+            meta=make_partition(0, 0, columns, rows, dtypes),
             enforce_metadata=False,
         ).persist()
         wait(df)
@@ -237,6 +308,7 @@ def run_benchmark(
         context = {
             "rows": rows,
             "columns": columns,
+            "dtypes": dtypes,
             "partitions": partitions,
             "workers": workers,
             "threads_per_worker": threads,

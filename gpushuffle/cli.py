@@ -70,6 +70,15 @@ def main() -> None:
 @main.command()
 @click.option("--rows", default=24_000_000, show_default=True, help="Total rows.")
 @click.option("--columns", default=16, show_default=True, help="Columns, the key included.")
+@click.option(
+    "--dtypes",
+    type=click.Choice(["numeric", "mixed"]),
+    default="numeric",
+    show_default=True,
+    help="numeric: int64 and float64 columns.  mixed: strings of varied length, "
+    "categoricals, naive and tz-aware timestamps, nullable Int64 and boolean, floats "
+    "with NaN, int64.",
+)
 @click.option("--partitions", default=40, show_default=True, help="Input (= output) partitions.")
 @click.option("--workers", default=2, show_default=True)
 @click.option("--threads", default=1, show_default=True, help="Threads per worker.")
@@ -106,6 +115,7 @@ def main() -> None:
 def bench(
     rows: int,
     columns: int,
+    dtypes: str,
     partitions: int,
     workers: int,
     threads: int,
@@ -150,9 +160,10 @@ def bench(
         memory_limit=memory_limit,
         settle=settle,
         on_result=progress,
+        dtypes=dtypes,
     )
     click.echo(
-        f"{context['rows']:,} rows x {context['columns']} columns, "
+        f"{context['rows']:,} rows x {context['columns']} {context['dtypes']} columns, "
         f"{context['partitions']} partitions, {context['input_bytes'] / 2**30:.2f} GiB; "
         f"{context['workers']} workers x {context['threads_per_worker']} threads over "
         f"{context['protocol']}\n{context['machine']}\n{json.dumps(context['versions'])}"

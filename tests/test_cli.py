@@ -672,6 +672,24 @@ def test_plot_from_results(tmp_path):
     assert _barrier_time(results[0], "tcp://w0") == pytest.approx(2.0)
 
 
+def test_bench_mixed_dtypes(tmp_path):
+    from gpushuffle.bench import MIXED_KINDS, make_partition
+
+    part = make_partition(1, 500, 1 + len(MIXED_KINDS), 50, "mixed")
+    meta = make_partition(0, 0, 1 + len(MIXED_KINDS), 50, "mixed")
+    pd.testing.assert_series_equal(part.dtypes, meta.dtypes)
+    assert part.dtypes.astype(str).nunique() == len(MIXED_KINDS)  # the key is int64 too
+    assert part["Int645"].isna().any() and part["boolean6"].isna().any()
+    results = tmp_path / "bench.json"
+    r = gpushuffle(
+        "bench", "--rows", 20_000, "--columns", 9, "--partitions", 4, "--dtypes", "mixed",
+        "--methods", "gpushuffle,p2p,tasks", "--json", results,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "9 mixed columns" in r.stdout
+    assert {rec["rows_out"] for rec in json.loads(results.read_text())} == {20_000}
+
+
 def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     r = gpushuffle("bench", "--rows", 10, "--plot", tmp_path / "x.png")

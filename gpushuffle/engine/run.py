@@ -148,16 +148,16 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             sync(self._loop, self._write, local, self._chunk(shards))
         return self.run_id
 
-    async def _write(
-        self, local: Shard | None, remote: list[dict[str, tuple[tuple[int, int], Shard]]]
-    ) -> None:
+    async def _write(self, local: Shard | None, remote: list[dict[str, Shard]]) -> None:
         if local is not None:
             # Shards for this worker skip serialization and the comm buffer.
-            await self._store([((local.input_partition, 0), local)])
+            await self._store([local])
         for round in remote:
-            await self._write_to_comm(round)
+            # distributed's comm buffer keeps whatever it is given and hands
+            # it to send(); its type says (key, shard), ours carry their key.
+            await self._write_to_comm(round)  # type: ignore[arg-type]
 
-    def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, tuple[tuple[int, int], Shard]]]:
+    def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.
 
         Each round of the result holds at most one chunk per worker, the
@@ -165,7 +165,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         message that waits for room in its store, so smaller messages keep
         that backlog small.
         """
-        rounds: list[dict[str, tuple[tuple[int, int], Shard]]] = []
+        rounds: list[dict[str, Shard]] = []
         for address, shard in shards.items():
             nrows = int(shard.offsets[-1])
             count = max(1, min(nrows, -(-shard.nbytes // self.message_bytes)))
@@ -186,7 +186,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     )
                 if chunk == len(rounds):
                     rounds.append({})
-                rounds[chunk][address] = ((shard.input_partition, chunk), piece)
+                rounds[chunk][address] = piece
         return rounds
 
     def _shard_partition(self, data: Any, partition_id: int) -> dict[str, Shard]:  # type: ignore[override]
@@ -214,7 +214,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
 
-    async def send(self, address: str, shards: list[tuple[Any, Shard]]) -> OKMessage | ErrorMessage:
+    async def send(self, address: str, shards: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
         # The base class measures shards with memoryview(), which fails on
         # frames and device buffers; shards serialize themselves instead.
         async def attempt() -> OKMessage | ErrorMessage:
@@ -247,18 +247,16 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
 
-    async def _send(
-        self, address: str, shards: list[tuple[tuple[int, int], Shard]] | bytes
-    ) -> OKMessage | ErrorMessage:
+    async def _send(self, address: str, shards: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
         # The message carries a list of Shard objects, so that distributed
         # hands each to the serializer registered for it (its backend's, in
-        # the ``dask`` family on TCP and the ``cuda`` family on UCX).  The
-        # base class sends the (key, shard) tuples, which distributed pickles
-        # whole without ever reaching those serializers.
-        assert not isinstance(shards, bytes)
+        # the ``dask`` family on TCP and the ``cuda`` family on UCX).  A list
+        # of (key, shard) tuples, as the base class sends, would be pickled
+        # whole without ever reaching those serializers; keys are derived
+        # from each shard on receipt.
         self.raise_if_closed()
         return await self.rpc(address).shuffle_receive(
-            data=wire_payload([shard for _, shard in shards]),
+            data=wire_payload(shards),
             shuffle_id=self.id,
             run_id=self.run_id,
         )
@@ -283,12 +281,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()
-        await self._store([((shard.input_partition, shard.chunk), shard) for shard in data])
+        await self._store(data)
 
-    async def _store(self, data: list[tuple[tuple[int, int], Shard]]) -> None:
-        for key, shard in data:
-            # An input partition re-sent (a retried transfer task) is ignored;
-            # keys are (input partition, chunk).
+    async def _store(self, shards: list[Shard]) -> None:
+        for shard in shards:
+            # An input partition re-sent (a retried transfer task) is ignored.
+            key = (shard.input_partition, shard.chunk)
             if key in self.received:
                 continue
             self.received.add(key)

@@ -239,7 +239,7 @@ class ShardStore:
         to the offload thread (a group holds a piece for every partition)."""
         start = time.perf_counter()
         pieces = [p for p in group.pieces if p.group is group and not p.reading]
-        items = [(p.partition, *self._backend.serialize(p.table)) for p in pieces]
+        items = [(p.partition, p.table) for p in pieces]
         locations = await self._offload(self._append_all, items)
         seconds = (time.perf_counter() - start) / max(len(pieces), 1)
         with self._lock:
@@ -276,10 +276,11 @@ class ShardStore:
             # its outputs are read: hold the sender until then.
             await asyncio.sleep(0.05)
 
-    def _append_all(
-        self, items: list[tuple[int, dict[str, Any], list[Any]]]
-    ) -> list[_DiskLocation]:
-        return [self._append(partition, header, frames) for partition, header, frames in items]
+    def _append_all(self, items: list[tuple[int, Any]]) -> list[_DiskLocation]:
+        # Serializing (pickling, for pandas) happens here, off the event loop.
+        return [
+            self._append(partition, *self._backend.serialize(table)) for partition, table in items
+        ]
 
     def _append(self, partition: int, header: dict[str, Any], frames: list[Any]) -> _DiskLocation:
         path = os.path.join(self._directory, f"{partition}.bin")

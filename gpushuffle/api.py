@@ -296,25 +296,22 @@ def install() -> None:
     Wraps ``Shuffle._lower`` (shuffles, groupby ``split_out``, ``set_index``,
     ``sort_values``, ``drop_duplicates``) and ``Merge._lower`` (joins).
     """
-    current = Shuffle._lower
-    if not getattr(current, "_gpushuffle", False):
+    _wrap_lower(Shuffle, _lower_with_gpushuffle)
+    _wrap_lower(Merge, _lower_merge_with_gpushuffle)
 
-        @functools.wraps(current)
-        def _lower(self: Shuffle) -> Any:
-            return _lower_with_gpushuffle(self, current)
 
-        _lower._gpushuffle = True  # type: ignore[attr-defined]
-        Shuffle._lower = _lower  # type: ignore[method-assign]
+def _wrap_lower(cls: Any, lower_with_gpushuffle: Any) -> None:
+    """Replace ``cls._lower`` by ``lower_with_gpushuffle(self, dask's _lower)``, once."""
+    current = cls._lower
+    if getattr(current, "_gpushuffle", False):
+        return
 
-    current_merge = Merge._lower
-    if not getattr(current_merge, "_gpushuffle", False):
+    @functools.wraps(current)
+    def _lower(self: Any) -> Any:
+        return lower_with_gpushuffle(self, current)
 
-        @functools.wraps(current_merge)
-        def _lower_merge(self: Merge) -> Any:
-            return _lower_merge_with_gpushuffle(self, current_merge)
-
-        _lower_merge._gpushuffle = True  # type: ignore[attr-defined]
-        Merge._lower = _lower_merge  # type: ignore[method-assign]
+    _lower._gpushuffle = True  # type: ignore[attr-defined]
+    cls._lower = _lower
 
 
 def shuffle(

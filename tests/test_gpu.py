@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import assert_nothing_left_behind
+from test_transport import _wire, wire_delta
 from truth import checksum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -358,12 +359,6 @@ def gpu_client(request):
         yield client
 
 
-def _wire(dask_worker=None) -> dict[str, int]:
-    from gpushuffle import transport
-
-    return transport.statistics.as_dict()
-
-
 def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = False) -> None:
     """Each output partition holds the rows ``tasks`` puts there, in input order."""
     before = client.run(_wire)
@@ -393,8 +388,8 @@ def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = 
             assert a["lst"].tolist() == b["lst"].tolist() and a["st"].tolist() == b["st"].tolist()
         total += len(a)
     assert total == len(gdf)
-    after = client.run(_wire)
-    delta = {k: sum(after[w][k] - before[w][k] for w in after) for k in next(iter(after.values()))}
+    per_worker = wire_delta(client, before)
+    delta = {k: sum(d[k] for d in per_worker.values()) for k in next(iter(per_worker.values()))}
     assert delta["wire_shards_sent"] > 0, "no shard crossed the wire"
     assert (
         delta["wire_shards_serialized"]

@@ -52,9 +52,10 @@ def assert_every_shard_serialized(delta: dict[str, dict[str, int]]) -> None:
         assert d["wire_shards_serialized"] > 0 and d["wire_shards_deserialized"] > 0, worker
 
 
-def test_every_remote_shard_goes_through_its_backend(client):
+def shuffle_checking_the_wire(client: Client, seed: int) -> None:
+    """A shuffle checked against tasks; every remote shard went through its backend."""
     before = client.run(_wire)
-    pdf = make_frame(3000, seed=5)
+    pdf = make_frame(3000, seed=seed)
     df = dd.from_pandas(pdf, npartitions=6, sort=False)
     check(
         df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
@@ -62,6 +63,10 @@ def test_every_remote_shard_goes_through_its_backend(client):
         pdf,
     )
     assert_every_shard_serialized(wire_delta(client, before))
+
+
+def test_every_remote_shard_goes_through_its_backend(client):
+    shuffle_checking_the_wire(client, seed=5)
 
 
 def test_statistics_report_the_wire(client):

@@ -59,17 +59,9 @@ def test_merge_over_ucx(ucx_client):
 
 def test_every_remote_shard_goes_through_its_backend_over_ucx(ucx_client):
     """Over UCX, distributed tries the ``cuda`` family first: it must reach Shard's."""
-    from test_transport import _wire, assert_every_shard_serialized, wire_delta
+    from test_transport import shuffle_checking_the_wire
 
-    before = ucx_client.run(_wire)
-    pdf = make_frame(3000, seed=23)
-    df = dd.from_pandas(pdf, npartitions=6, sort=False)
-    check(
-        df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
-        df.shuffle("key", npartitions=4, shuffle_method="tasks"),
-        pdf,
-    )
-    assert_every_shard_serialized(wire_delta(ucx_client, before))
+    shuffle_checking_the_wire(ucx_client, seed=23)
 
 
 def test_device_stand_in_over_ucx(ucx_client):

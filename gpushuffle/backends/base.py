@@ -28,6 +28,18 @@ def refuse_pickle(table: Any) -> NoReturn:
     )
 
 
+def dtype_mismatch(
+    name: Any, input_partition: int, actual: Any, expected: Any
+) -> ShuffleInputError:
+    """The error for a column whose dtype cannot stand for meta's."""
+    return ShuffleInputError(
+        f"gpushuffle: column {name!r} of input partition {input_partition} "
+        f"has dtype {actual}, but the collection's meta says {expected}, and "
+        "one cannot stand for the other. Fix the data (`astype`) or the "
+        "meta (`map_partitions(..., meta=...)`) so they agree."
+    )
+
+
 def check_frame(
     frame: Any, meta: Any, frame_type: type[Any], input_partition: int, column: str
 ) -> None:

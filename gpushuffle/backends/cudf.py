@@ -79,10 +79,9 @@ import rmm
 from cudf.core.column import ColumnBase
 from cudf.utils.dtypes import dtype_to_pylibcudf_type
 
-from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
+from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.backends.columns import assemble_columns
 from gpushuffle.backends.pandas import dtype_family
-from gpushuffle.errors import ShuffleInputError
 
 #: Device staging buffer of ChunkedPack when packing into host memory.
 STAGING_BYTES = 64 << 20
@@ -154,12 +153,7 @@ class CudfBackend(TableBackend):
             strict=True,
         ):
             if actual != expected and _family(actual) != _family(expected):
-                raise ShuffleInputError(
-                    f"gpushuffle: column {name!r} of input partition {input_partition} "
-                    f"has dtype {actual}, but the collection's meta says {expected}, and "
-                    "one cannot be cast to the other. Fix the data (`astype`) or the "
-                    "meta (`map_partitions(..., meta=...)`) so they agree."
-                )
+                raise dtype_mismatch(name, input_partition, actual, expected)
 
     # -- transfer -----------------------------------------------------------
 

@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends.base import TableBackend, check_frame, refuse_pickle
+from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
@@ -307,12 +307,7 @@ class PandasBackend(TableBackend):
         check_frame(frame, meta, pd.DataFrame, input_partition, column)
         for name, actual, expected in zip(meta.columns, frame.dtypes, meta.dtypes, strict=True):
             if actual != expected and not _compatible(actual, expected):
-                raise ShuffleInputError(
-                    f"gpushuffle: column {name!r} of input partition {input_partition} "
-                    f"has dtype {actual}, but the collection's meta says {expected}, and "
-                    "one cannot stand for the other. Fix the data (`astype`) or the "
-                    "meta (`map_partitions(..., meta=...)`) so they agree."
-                )
+                raise dtype_mismatch(name, input_partition, actual, expected)
         for i, dtype in enumerate(frame.dtypes):
             if isinstance(dtype, np.dtype) and dtype.kind == "O":
                 _check_picklable(frame.columns[i], frame.iloc[:, i], input_partition)

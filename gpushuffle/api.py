@@ -350,6 +350,7 @@ def shuffle(
 
 def _worker_statistics() -> dict[str, Any]:
     from gpushuffle import transport
+    from gpushuffle.engine import copies
     from gpushuffle.engine.memory import worker_memory
     from gpushuffle.engine.pool import host_pool
 
@@ -357,6 +358,7 @@ def _worker_statistics() -> dict[str, Any]:
     for key, value in host_pool().statistics.as_dict().items():
         row[f"host_pool_{key}"] = value
     row.update(transport.statistics.as_dict())
+    row.update(copies.statistics.as_dict())
     return row
 
 
@@ -371,7 +373,9 @@ def statistics(client: Any) -> Any:
     host buffer pool's counters (``host_pool_...``); and what crossed the
     wire (``wire_shards_sent``, ``wire_shards_serialized``,
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,
-    frames handed to UCX as device buffers).
+    frames handed to UCX as device buffers); and the bytes each stage of
+    gpushuffle's path copied (``copied_split_bytes``, ``copied_send_bytes``,
+    ..., :mod:`gpushuffle.engine.copies`).
     """
     import pandas as pd
 

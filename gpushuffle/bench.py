@@ -45,6 +45,9 @@ class Result:
     #: What shuffles held on the largest worker when its RSS peaked
     #: (:func:`gpushuffle.engine.memory.memory_breakdown`), and the RSS then.
     peak_breakdown: dict[str, int] = field(default_factory=dict)
+    #: Bytes gpushuffle's stages copied in this run, summed over workers, by
+    #: stage (:mod:`gpushuffle.engine.copies`); empty for other methods.
+    copied_bytes: dict[str, int] = field(default_factory=dict)
     #: Each worker's RSS over the run: ``(seconds since the run started, bytes)``.
     #: Not written to JSON.
     rss_timelines: dict[str, list[tuple[float, int]]] = field(
@@ -66,6 +69,13 @@ class Result:
     @property
     def gib_per_s(self) -> float:
         return self.input_bytes / 2**30 / self.wall_s
+
+    @property
+    def copies_per_byte(self) -> float | None:
+        """Bytes copied per byte shuffled (None for methods other than gpushuffle)."""
+        if not self.copied_bytes:
+            return None
+        return sum(self.copied_bytes.values()) / self.input_bytes
 
 
 #: Column kinds of ``--dtypes mixed``, in the order they repeat.
@@ -224,6 +234,22 @@ def _collect(release_pool: bool) -> None:
         pass
 
 
+def _copied() -> dict[str, int]:
+    from gpushuffle.engine import copies
+
+    return copies.statistics.as_dict()
+
+
+def _copied_total(client: Any) -> dict[str, int]:
+    """Bytes copied per stage so far, summed over workers."""
+    total: dict[str, int] = {}
+    for row in client.run(_copied).values():
+        for key, value in row.items():
+            stage = key.removeprefix("copied_").removesuffix("_bytes")
+            total[stage] = total.get(stage, 0) + value
+    return total
+
+
 def _spilled(client: Any) -> int:
     from gpushuffle.api import statistics
 
@@ -322,6 +348,7 @@ def run_benchmark(
             for r in range(repeat):
                 client.run(_collect, r == 0)
                 spilled_before = _spilled(client)
+                copied_before = _copied_total(client)
                 client.run(_start_sampler, breakdown=True)
                 start_time = time.time()
                 start = time.perf_counter()
@@ -331,6 +358,10 @@ def run_benchmark(
                     _wait_until_released(client, baseline_tasks)
                     time.sleep(max(0.0, settle - (time.perf_counter() - start - wall)))
                 samples = client.run(_stop_sampler)
+                copied = {
+                    stage: value - copied_before.get(stage, 0)
+                    for stage, value in _copied_total(client).items()
+                }
                 _wait_until_released(client, baseline_tasks)
                 largest = max(samples, key=lambda w: samples[w]["peak"])
                 timeline = samples[largest]["timeline"]
@@ -343,6 +374,7 @@ def run_benchmark(
                     rows_out=int(lengths.sum()),
                     peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
                     spilled_bytes=_spilled(client) - spilled_before,
+                    copied_bytes=copied if method == "gpushuffle" else {},
                     rss_before_bytes={w: s["timeline"][0][1] for w, s in samples.items()},
                     rss_after_bytes=(
                         {w: s["timeline"][-1][1] for w, s in samples.items()} if settle else {}
@@ -393,6 +425,20 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                     else None
                 ),
                 "vs_gpushuffle": wall / base,
+                "copies_per_byte": (
+                    statistics.median(r.copies_per_byte or 0 for r in rs)
+                    if rs[0].copied_bytes
+                    else None
+                ),
+                "copies_per_byte_by_stage": (
+                    {
+                        stage: statistics.median(r.copied_bytes[stage] for r in rs)
+                        / rs[0].input_bytes
+                        for stage in rs[0].copied_bytes
+                    }
+                    if rs[0].copied_bytes
+                    else None
+                ),
             }
         )
     return rows
@@ -429,6 +475,7 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
         f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}"
         f"{'peak RSS GiB':>14}{'spilled GiB':>13}{'x gpushuffle':>14}"
         + (f"{'left MiB':>10}" if settled else "")
+        + f"{'copies/B':>10}"
     )
     lines = [header, "-" * len(header)]
     for s in summary:
@@ -438,6 +485,11 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}"
             f"{s['spilled_bytes'] / 2**30:>13.2f}{s['vs_gpushuffle']:>14.2f}"
             + (f"{(left or 0) / 2**20:>10.0f}" if settled else "")
+            + (
+                f"{copied:>10.2f}"
+                if (copied := s.get("copies_per_byte")) is not None
+                else f"{'-':>10}"
+            )
         )
     return "\n".join(lines)
 
@@ -452,6 +504,7 @@ def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) ->
                 **record,
                 "gib_per_s": r.gib_per_s,
                 "left_behind_bytes": r.left_behind_bytes,
+                "copies_per_byte": r.copies_per_byte,
                 "machine": context["machine"],
             }
         )

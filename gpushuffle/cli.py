@@ -168,7 +168,14 @@ def bench(
         f"{context['workers']} workers x {context['threads_per_worker']} threads over "
         f"{context['protocol']}\n{context['machine']}\n{json.dumps(context['versions'])}"
     )
-    click.echo(format_table(summarize(results)))
+    summary = summarize(results)
+    click.echo(format_table(summary))
+    for row in summary:
+        if row.get("copies_per_byte_by_stage"):
+            stages = ", ".join(
+                f"{stage} {ratio:.2f}" for stage, ratio in row["copies_per_byte_by_stage"].items()
+            )
+            click.echo(f"{row['method']} bytes copied per byte shuffled, by stage: {stages}")
     if json_path:
         write_json(json_path, results, context)
         click.echo(f"wrote {json_path}")

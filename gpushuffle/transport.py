@@ -34,6 +34,7 @@ from distributed.protocol import (
 )
 
 from gpushuffle.backends import backend_named
+from gpushuffle.engine import copies
 
 
 @dataclass(slots=True)
@@ -98,6 +99,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
     header, frames = backend_named(shard.backend).serialize(
         shard.table, device_frames=device_frames
     )
+    copies.count("send", sum(_frame_bytes(f) for f in frames))
     _count(
         shards_serialized=1,
         bytes_serialized=shard.nbytes,
@@ -117,6 +119,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
 def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
     backend = backend_named(header["backend"])
     _count(shards_deserialized=1, bytes_deserialized=header["nbytes"])
+    copies.count("receive", sum(_frame_bytes(f) for f in frames))
     return Shard(
         backend=header["backend"],
         input_partition=header["input_partition"],
@@ -126,6 +129,11 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
         nbytes=header["nbytes"],
         chunk=header["chunk"],
     )
+
+
+def _frame_bytes(frame: Any) -> int:
+    nbytes = getattr(frame, "nbytes", None)
+    return int(nbytes) if nbytes is not None else memoryview(frame).nbytes
 
 
 def _serialize_device(shard: Shard) -> tuple[dict[str, Any], list[Any]]:

@@ -606,6 +606,8 @@ def test_bench_plot_writes_a_png(tmp_path):
     records = json.loads(results.read_text())
     assert {tuple(sorted(r)) for r in records} == {
         (
+            "copied_bytes",
+            "copies_per_byte",
             "gib_per_s",
             "input_bytes",
             "left_behind_bytes",
@@ -629,6 +631,21 @@ def test_bench_plot_writes_a_png(tmp_path):
     )
     assert {"store_host", "pool_split", "comm_out", "phase"} <= set(
         gpushuffle_runs[0]["peak_breakdown"]
+    )
+    # Bytes copied per stage, for gpushuffle only: every byte is split and
+    # unpacked once (numeric data), and what was sent was received.
+    for run in gpushuffle_runs:
+        copied = run["copied_bytes"]
+        # The index travels as int64 (RangeIndex partitions take a few bytes).
+        range_index = pd.RangeIndex(5_000).memory_usage(deep=True)
+        expected = run["input_bytes"] - 4 * range_index + 8 * 20_000
+        assert copied["split"] == copied["unpack"] == expected
+        assert copied["send"] == copied["receive"] > 0
+        assert run["copies_per_byte"] == pytest.approx(sum(copied.values()) / run["input_bytes"])
+    assert all(r["copied_bytes"] == {} and r["copies_per_byte"] is None
+               for r in records if r["method"] == "tasks")  # fmt: skip
+    assert (
+        "gpushuffle bytes copied per byte shuffled, by stage: split 1.25, serialize 0.0" in r.stdout
     )
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from truth import checksum
 
 from gpushuffle.backends import backend_for, backend_named
-from gpushuffle.backends.pandas import PandasBackend
+from gpushuffle.backends.pandas import PandasBackend, PandasTable
 from gpushuffle.engine.pool import HostBufferPool
 from gpushuffle.errors import ShuffleInputError
 from gpushuffle.transport import Shard
@@ -85,6 +85,83 @@ def test_wire_round_trip_is_zero_copy_and_exact():
     pd.testing.assert_frame_equal(
         backend.concat([back], meta, True), backend.concat([view], meta, True)
     )
+
+
+def _arrow_column(kind: str, n: int) -> pd.api.extensions.ExtensionArray:
+    import decimal
+
+    import pyarrow as pa
+
+    rng = np.random.default_rng(3)
+    missing = rng.random(n) < 0.2
+    if kind == "str":
+        words = [f"w{i}" * (i % 4) for i in range(n)]
+        return pd.array(
+            [None if m else w for m, w in zip(missing, words, strict=True)], dtype="str"
+        )
+    if kind == "string[pyarrow]":
+        return pd.array([None if m else f"é{i}" for i, m in enumerate(missing)], dtype=kind)
+    types = {
+        "string": pa.string(),
+        "decimal": pa.decimal128(12, 2),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+        "bool": pa.bool_(),
+        "list": pa.list_(pa.int64()),
+    }
+    values = {
+        "string": lambda i: f"s{i}",
+        "decimal": lambda i: decimal.Decimal(i) / 100,
+        "timestamp": lambda i: pd.Timestamp(i * 10**9, tz="UTC"),
+        "bool": lambda i: bool(i % 3),
+        "list": lambda i: [i] * (i % 3),
+    }[kind]
+    return pd.array(
+        [None if m else values(i) for i, m in enumerate(missing)], dtype=pd.ArrowDtype(types[kind])
+    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["str", "string[pyarrow]", "string", "decimal", "timestamp", "bool", "list"]
+)
+@pytest.mark.parametrize("writable", [True, False])
+def test_arrow_columns_travel_as_views_cut_to_their_rows(kind, writable):
+    """pandas pickles Arrow arrays through combine_chunks() (a copy of every
+    byte), and pyarrow pickles a slice with its parent's whole buffers; the
+    backend sends each buffer as a view of the table, cut to the slice."""
+    import pyarrow as pa
+
+    from gpushuffle.backends.arrow_pickle import _cuttable
+
+    column = _arrow_column(kind, 20_000)
+    backend = PandasBackend()
+    for start, stop in [(0, 20_000), (13, 19_001), (8, 16), (5, 5), (4_003, 11_007)]:
+        view = PandasTable([column[start:stop]], None)
+        header, frames = backend.serialize(view)
+        received = [bytearray(f) if writable else bytes(f) for f in frames]
+        back = backend.deserialize(header, received).columns[0]
+        assert back.dtype == column.dtype
+        pd.testing.assert_extension_array_equal(back, column[start:stop])
+        chunk = column[start:stop]._pa_array.combine_chunks()
+        if not _cuttable(chunk.type) or stop == start:
+            continue
+        # Out of band: views of the column's own buffers, only the slice's
+        # rows; a cut that starts mid-data sends its offsets rebased (a copy
+        # of the offsets alone).
+        owned = [b for b in column._pa_array.chunks[0].buffers() if b is not None]
+        copied = [
+            memoryview(f).nbytes
+            for f in frames[1:]
+            if not any(
+                b.address <= np.frombuffer(f, np.uint8).ctypes.data < b.address + b.size
+                for b in owned
+            )
+        ]
+        assert len(copied) <= 1 and sum(copied) <= 8 * (stop - start + 8), (kind, copied)
+        sent = sum(memoryview(f).nbytes for f in frames[1:])
+        own = pa.concat_arrays([chunk]).nbytes  # the slice's bytes, compacted
+        # (a cut starts at the byte holding its first validity bit: up to 7 more rows)
+        assert sent <= own + 7 * 16 + 2, (kind, start, stop, sent, own)
+        assert len(frames[0]) < 1000  # in band: metadata only
 
 
 def test_shard_serializes_through_distributed():

@@ -82,6 +82,7 @@ from cudf.utils.dtypes import dtype_to_pylibcudf_type
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.backends.columns import assemble_columns
 from gpushuffle.backends.pandas import dtype_family
+from gpushuffle.engine import copies
 
 #: Device staging buffer of ChunkedPack when packing into host memory.
 STAGING_BYTES = 64 << 20
@@ -202,6 +203,7 @@ class CudfBackend(TableBackend):
         else:
             rows, nbytes = plc.Table([]), 0
         parts = [rows] + [plc.Table([c.categories.to_pylibcudf()]) for c in categorical]
+        copies.count("split", nbytes)
         nbytes += sum(int(p.columns()[0].device_buffer_size()) for p in parts[1:])
         return CudfTable(nrows=nrows, nbytes=nbytes, parts=parts), offsets
 
@@ -241,6 +243,7 @@ class CudfBackend(TableBackend):
                 packed = [_pack_on_device(p) for p in table.parts]
             else:
                 packed = [_pack_to_host(p, table.nbytes) for p in table.parts]
+            copies.count("serialize", table.nbytes)
         frames: list[Any] = []
         for metadata, data in packed:
             frames += [metadata, data]
@@ -254,6 +257,8 @@ class CudfBackend(TableBackend):
             _unpack(bytes(frames[2 * i]), _to_device(frames[2 * i + 1]))
             for i in range(header["nparts"])
         ]
+        if not any(hasattr(f, "__cuda_array_interface__") for f in frames[1::2]):
+            copies.count("deserialize", header["nbytes"])  # host -> device
         return CudfTable(nrows=header["nrows"], nbytes=header["nbytes"], parts=parts)
 
     # -- unpack -------------------------------------------------------------
@@ -277,6 +282,7 @@ class CudfBackend(TableBackend):
                 del table, columns  # let the store release this piece before the next
 
         built = dict(zip(plain, assemble_columns(pieces(), nrows, _PLC_COLUMNS) or [], strict=True))
+        copies.count("unpack", sum(int(c.device_buffer_size()) for c in built.values()))
         columns = [
             _categorical(coded[i], dtypes[i], known.get(i))
             if i in coded

@@ -24,7 +24,9 @@ import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
 
+from gpushuffle.backends import arrow_pickle
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
+from gpushuffle.engine import copies
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
 
@@ -45,6 +47,13 @@ class PandasTable:
         # Shards travel through PandasBackend.serialize (pickle protocol 5,
         # buffers out of band); reaching plain pickle means a bypass.
         refuse_pickle(self)
+
+
+def _nbytes(table: PandasTable) -> int:
+    total = sum(int(c.nbytes) for c in table.columns)
+    if table.index is not None:
+        total += int(table.index.nbytes)
+    return total
 
 
 def _column_values(frame: pd.DataFrame, i: int) -> Any:
@@ -247,6 +256,7 @@ class _ColumnBuilder:
         ):
             assert self.out is not None
             self.out[self.position : self.position + n] = values
+            copies.count("unpack", values.nbytes)
         else:
             if self.filling and self.out is not None:
                 if self.position:
@@ -259,8 +269,12 @@ class _ColumnBuilder:
         if self.out is not None:
             return self.out
         if self.index:
-            return _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
-        return _concat_column(self.parts, self.dtype, self.pool)
+            out = _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
+        else:
+            out = _concat_column(self.parts, self.dtype, self.pool)
+        if len(self.parts) != 1 or out is not self.parts[0]:
+            copies.count("unpack", int(out.nbytes))
+        return out
 
 
 def _check_picklable(name: Any, values: pd.Series, input_partition: int) -> None:
@@ -351,6 +365,7 @@ class PandasBackend(TableBackend):
             # Each group's numpy columns share one pooled block of their own.
             columns, taken = _take_rows(values, index, order[offsets[first] : offsets[last]], pool)
             tables.append(PandasTable(columns, taken, names))
+        copies.count("split", sum(_nbytes(t) for t in tables))
         return tables, offsets
 
     def slice(self, table: PandasTable, start: int, stop: int) -> PandasTable:
@@ -418,10 +433,7 @@ class PandasBackend(TableBackend):
         return meta.copy()
 
     def nbytes(self, table: PandasTable) -> int:
-        total = sum(int(c.nbytes) for c in table.columns)
-        if table.index is not None:
-            total += int(table.index.nbytes)
-        return total
+        return _nbytes(table)
 
     def nrows(self, table: PandasTable) -> int:
         return len(table)
@@ -431,13 +443,15 @@ class PandasBackend(TableBackend):
     ) -> tuple[dict[str, Any], list[Any]]:
         buffers: list[pickle.PickleBuffer] = []
         try:
-            payload = pickle.dumps(
-                (table.columns, table.index), protocol=5, buffer_callback=buffers.append
-            )
+            # numpy arrays and Arrow buffers go out of band as views; only
+            # object columns and small metadata are copied into the payload.
+            payload = arrow_pickle.dumps((table.columns, table.index), buffers.append)
         except Exception as e:
             raise _unpicklable(table, e) from e
+        copies.count("serialize", len(payload))
         return {"npickle-buffers": len(buffers)}, [payload, *(b.raw() for b in buffers)]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> PandasTable:
         columns, index = pickle.loads(frames[0], buffers=frames[1:])
+        copies.count("deserialize", memoryview(frames[0]).nbytes)
         return PandasTable(columns, index)

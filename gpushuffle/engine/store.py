@@ -38,6 +38,7 @@ from typing import Any
 
 from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
+from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
@@ -224,6 +225,7 @@ class ShardStore:
             # Off the event loop: a device -> host copy takes as long as
             # its bytes need, and receives must go on meanwhile.
             host_table = await self._offload(self._backend.to_host, piece.table)
+            copies.count("move", piece.nbytes)
             moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
             with self._lock:
                 if piece.group is not group or piece.reading:
@@ -297,6 +299,7 @@ class ShardStore:
                 offset = f.tell()
                 for frame in frames:
                     f.write(frame)
+            copies.count("spill", sum(lengths))
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise ShuffleDiskFullError(self._directory) from e
@@ -337,6 +340,7 @@ class ShardStore:
                     # A device table moved to host memory: bring it back.
                     start = time.perf_counter()
                     table = self._backend.to_device(piece.table)
+                    copies.count("move", piece.nbytes)
                     self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)
                 else:
                     table = piece.table

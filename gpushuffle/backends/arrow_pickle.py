@@ -1,0 +1,166 @@
+"""Pickling Arrow-backed pandas arrays out of band, cut to their rows.
+
+pandas pickles an Arrow-backed array (the default ``str`` dtype, ``ArrowDtype``
+columns) through ``combine_chunks()``, which copies every byte, and pyarrow
+pickles a sliced array with its parent's whole buffers.  A shard's string
+columns would be copied once more on every send and spill, and a chunk of a
+shard would carry the bytes of all its other chunks.
+
+:class:`OutOfBandPickler` sends each chunk's buffers as views instead, cut to
+the chunk's rows: the validity bitmap from the byte holding its first bit,
+the values of fixed-width types, and for strings and binaries the offsets
+plus only the data bytes they point to.  Offsets of a cut that does not
+start at the first byte of its data are rebased into a new buffer (the only
+copy, of the offsets alone); received buffers are never written to, as they
+may be the sender's own memory (an in-process comm, a test).
+Other Arrow types (nested, dictionary, booleans) fall back to pandas'
+pickling.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from pandas.arrays import ArrowExtensionArray
+
+from gpushuffle.engine import copies
+
+#: Offsets' width of the variable-width types cut by their offsets.
+_OFFSET_TYPES = {
+    pa.string(): np.int32,
+    pa.binary(): np.int32,
+    pa.large_string(): np.int64,
+    pa.large_binary(): np.int64,
+}
+
+
+def _fixed_width(type: pa.DataType) -> int | None:
+    """Bytes per value of a fixed-width type with a plain values buffer, else None."""
+    if pa.types.is_boolean(type) or pa.types.is_dictionary(type):
+        return None
+    try:
+        bits = type.bit_width
+    except ValueError:
+        return None
+    return bits // 8 if bits % 8 == 0 and type.num_buffers == 2 else None
+
+
+def _cuttable(type: pa.DataType) -> bool:
+    return type in _OFFSET_TYPES or _fixed_width(type) is not None
+
+
+def _view(buffer: pa.Buffer, start: int, stop: int) -> pickle.PickleBuffer:
+    return pickle.PickleBuffer(memoryview(buffer)[start:stop])
+
+
+def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
+    """The rebuild arguments of one chunk: its type, shape and cut buffers."""
+    validity, *rest = array.buffers()
+    # A bitmap is cut on a byte boundary: the chunk keeps the offset of its
+    # first bit in that byte, and every other buffer starts at the same row.
+    shift = array.offset % 8 if validity is not None else 0
+    first = array.offset - shift
+    length = len(array)
+    rows = shift + length
+    bitmap = None if validity is None else _view(validity, first // 8, (first + rows + 7) // 8)
+    offset_type = _OFFSET_TYPES.get(array.type)
+    if offset_type is not None:
+        offsets_buffer, data = rest
+        width = np.dtype(offset_type).itemsize
+        offsets = np.frombuffer(offsets_buffer, offset_type, count=rows + 1, offset=first * width)
+        base, end = int(offsets[0]), int(offsets[-1])
+        if base:
+            offsets = offsets - offsets.dtype.type(base)
+            copies.count("serialize", offsets.nbytes)
+        data_view = _view(data if data is not None else pa.py_buffer(b""), base, end)
+        return (
+            array.type,
+            length,
+            shift,
+            array.null_count,
+            bitmap,
+            pickle.PickleBuffer(offsets.data),
+            True,
+            data_view,
+        )
+    itemsize = _fixed_width(array.type)
+    assert itemsize is not None
+    return (
+        array.type,
+        length,
+        shift,
+        array.null_count,
+        bitmap,
+        _view(rest[0], first * itemsize, (first + rows) * itemsize),
+        False,
+        None,
+    )
+
+
+def _rebuild_array(
+    type: pa.DataType,
+    length: int,
+    shift: int,
+    null_count: int,
+    bitmap: Any,
+    values: Any,
+    variable_width: bool,
+    data: Any,
+) -> pa.Array:
+    validity = None if bitmap is None else pa.py_buffer(bitmap)
+    buffers = [validity, pa.py_buffer(values)]
+    if variable_width:
+        buffers.append(pa.py_buffer(data))
+    return pa.Array.from_buffers(type, length, buffers, null_count, shift)
+
+
+def _rebuild_extension(
+    cls: Any, state: dict[str, Any], type: pa.DataType, chunks: list[pa.Array]
+) -> Any:
+    array = cls.__new__(cls)
+    array.__dict__.update(state)
+    array.__dict__["_pa_array"] = pa.chunked_array(chunks, type=type)
+    array.__dict__.setdefault("_cache", {})
+    return array
+
+
+class OutOfBandPickler(pickle.Pickler):
+    """A protocol 5 pickler that sends Arrow-backed pandas arrays as cut views."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray or not isinstance(obj, ArrowExtensionArray):
+            return NotImplemented
+        chunked = obj._pa_array  # type: ignore[attr-defined]
+        if not isinstance(chunked, pa.ChunkedArray) or not _cuttable(chunked.type):
+            return NotImplemented
+        state = {k: v for k, v in obj.__dict__.items() if k not in ("_pa_array", "_cache")}
+        chunks = [c for c in chunked.chunks if len(c)]
+        # A nested call through pickle's own machinery: each chunk's
+        # arguments are pickled like any other, buffers out of band.
+        return (
+            _rebuild_extension,
+            (type(obj), state, chunked.type, [_ChunkReduce(c) for c in chunks]),
+        )
+
+
+class _ChunkReduce:
+    """Stands for one chunk while pickling; unpickles as a ``pa.Array``."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: pa.Array) -> None:
+        self.array = array
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_array, _reduce_array(self.array))
+
+
+def dumps(obj: Any, buffer_callback: Any) -> bytes:
+    """``pickle.dumps(obj, protocol=5, buffer_callback=...)`` with cut Arrow arrays."""
+    out = io.BytesIO()
+    OutOfBandPickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return out.getvalue()

@@ -1,0 +1,75 @@
+"""Bytes copied by each stage of a shuffle, counted in this process.
+
+The floor of a shuffle is one copy of every byte into its output, plus the
+kernel's copies of the bytes that go to another worker.  These counters say
+how far each path is from it: ``bytes copied / bytes shuffled``, per stage,
+in :func:`gpushuffle.statistics` (``copied_<stage>_bytes``) and in
+``gpushuffle bench``.
+
+Stages, in a row's order through a shuffle:
+
+``split``
+    The input partition reordered by destination (a take or gather).
+``serialize``
+    Bytes a backend copied to make frames: pickled in band, or packed into
+    one contiguous buffer (cuDF).  Buffers handed to the comm as they are
+    (pickle protocol 5 out of band) are not copies.
+``send`` / ``receive``
+    Frames written to and read from the comm: on TCP the kernel copies them
+    into the socket and out of it into a fresh receive buffer.
+``deserialize``
+    Bytes copied to rebuild a table from frames (in-band pickle data, host
+    frames copied to the device).
+``spill``
+    Bytes written to spill files (a copy into the page cache).  Reading back
+    maps the file (no copy until unpack).
+``move``
+    Bytes moved between device and host memory by the store.
+``unpack``
+    Bytes copied into output partitions.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+STAGES = (
+    "split",
+    "serialize",
+    "send",
+    "receive",
+    "deserialize",
+    "spill",
+    "move",
+    "unpack",
+)
+
+
+@dataclass
+class CopyStatistics:
+    """Bytes copied per stage (cumulative, this process)."""
+
+    split: int = 0
+    serialize: int = 0
+    send: int = 0
+    receive: int = 0
+    deserialize: int = 0
+    spill: int = 0
+    move: int = 0
+    unpack: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f"copied_{f.name}_bytes": getattr(self, f.name) for f in fields(self)}
+
+
+#: This process's counters (stages run on task, comm and offload threads).
+statistics = CopyStatistics()
+_lock = threading.Lock()
+
+
+def count(stage: str, nbytes: int) -> None:
+    """Record ``nbytes`` copied by ``stage`` (one of :data:`STAGES`)."""
+    if nbytes:
+        with _lock:
+            setattr(statistics, stage, getattr(statistics, stage) + int(nbytes))

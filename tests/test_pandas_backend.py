@@ -164,6 +164,29 @@ def test_arrow_columns_travel_as_views_cut_to_their_rows(kind, writable):
         assert len(frames[0]) < 1000  # in band: metadata only
 
 
+def test_datetime_columns_travel_out_of_band():
+    """numpy pickles datetime64/timedelta64 in band (a copy each way)."""
+    n = 50_000
+    stamps = pd.date_range("2001-01-01", periods=n, freq="min")
+    columns = [
+        stamps.array,
+        stamps.tz_localize("Europe/Berlin").array,
+        (stamps - stamps[0]).array,
+        stamps.to_numpy(),
+    ]
+    index = pd.Index(stamps.to_numpy(), name="when")
+    table = PandasTable([c[7 : n - 3] for c in columns], index[7 : n - 3])
+    backend = PandasBackend()
+    header, frames = backend.serialize(table)
+    assert len(frames[0]) < 4000
+    assert sum(memoryview(f).nbytes for f in frames[1:]) == 5 * 8 * (n - 10)
+    back = backend.deserialize(header, [bytes(f) for f in frames])
+    for got, expected in zip(back.columns, table.columns, strict=True):
+        assert got.dtype == expected.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    pd.testing.assert_index_equal(back.index, table.index)
+
+
 def test_shard_serializes_through_distributed():
     from distributed.protocol import deserialize, serialize
 

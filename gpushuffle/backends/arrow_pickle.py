@@ -1,4 +1,5 @@
-"""Pickling Arrow-backed pandas arrays out of band, cut to their rows.
+"""Pickling out of band what pickle would copy: Arrow-backed pandas arrays,
+cut to their rows, and numpy datetimes.
 
 pandas pickles an Arrow-backed array (the default ``str`` dtype, ``ArrowDtype``
 columns) through ``combine_chunks()``, which copies every byte, and pyarrow
@@ -15,6 +16,9 @@ copy, of the offsets alone); received buffers are never written to, as they
 may be the sender's own memory (an in-process comm, a test).
 Other Arrow types (nested, dictionary, booleans) fall back to pandas'
 pickling.
+
+numpy pickles datetime64 and timedelta64 arrays in band (a copy into the
+pickle, and another out of it): they go as an int64 view instead.
 """
 
 from __future__ import annotations
@@ -128,11 +132,22 @@ def _rebuild_extension(
     return array
 
 
+def _datetimes(buffer: Any, dtype: str) -> np.ndarray:
+    return np.frombuffer(buffer, np.int64).view(dtype)
+
+
 class OutOfBandPickler(pickle.Pickler):
-    """A protocol 5 pickler that sends Arrow-backed pandas arrays as cut views."""
+    """A protocol 5 pickler that sends Arrow-backed pandas arrays as cut views,
+    and numpy datetimes out of band."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is np.ndarray or not isinstance(obj, ArrowExtensionArray):
+        if type(obj) is np.ndarray:
+            # numpy pickles datetime64 and timedelta64 arrays in band (their
+            # dtype carries a unit): send their int64 view out of band.
+            if obj.dtype.kind in "mM" and obj.flags.c_contiguous:
+                return (_datetimes, (pickle.PickleBuffer(obj.view(np.int64).data), obj.dtype.str))
+            return NotImplemented
+        if not isinstance(obj, ArrowExtensionArray):
             return NotImplemented
         chunked = obj._pa_array  # type: ignore[attr-defined]
         if not isinstance(chunked, pa.ChunkedArray) or not _cuttable(chunked.type):

@@ -295,6 +295,40 @@ def test_cancelled_shuffle_leaves_no_spill_files():
             time.sleep(0.1)
 
 
+def test_release_free_unmaps_every_free_block_at_once():
+    """What the first unpack of a run calls: split buffers freed by the
+    transfer rarely fit whole output partitions."""
+    pool = HostBufferPool(limit=1 << 30, idle_release=0)
+    pool.hold()
+    kept = pool.empty(3 << 20, np.uint8, tag="split")
+    for size in (2 << 20, 5 << 20):
+        pool.empty(size, np.uint8, tag="split")[:] = 1  # freed at once
+    assert pool.usage()["free"] >= 7 << 20
+    assert pool.release_free() >= 7 << 20
+    assert pool.usage()["free"] == 0 and pool.usage()["split"] >= 3 << 20  # in use: kept
+    del kept
+    assert pool.usage()["free"] >= 3 << 20
+    pool.unhold()
+
+
+def test_malloc_reuse_only_lifts_a_nanny_trim_threshold(monkeypatch):
+    from gpushuffle.engine.pool import MallocReuse
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    untouched = MallocReuse(enabled=True)
+    assert not untouched.reuse() and not untouched.reusing  # glibc's adaptive defaults stay
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+    assert not MallocReuse(enabled=False).reuse()  # gpushuffle.memory.host-pool.malloc-reuse
+    calls = []
+    nanny = MallocReuse(enabled=True)
+    nanny._mallopt = lambda option, value: calls.append((option, value)) or 1
+    assert nanny.reuse() and nanny.reusing and not nanny.reuse()
+    nanny.restore()
+    assert not nanny.reusing
+    # M_MMAP_THRESHOLD (-3) and M_TRIM_THRESHOLD (-1): raised, then the Nanny's back.
+    assert calls == [(-3, 32 << 20), (-1, 64 << 20), (-1, 65536), (-3, 128 << 10)]
+
+
 def test_footprint_returns_after_the_shuffle():
     """Distributed issue 8015: memory must come back once outputs are released."""
     n = 2_000_000
@@ -353,12 +387,16 @@ def test_five_seconds_after_a_shuffle_every_worker_is_back_within_64_mib():
         stats = gpushuffle.statistics(client)
         assert (stats["host_pool_reused"] > 0).all()
         assert (stats["host_limit"] <= 256 << 20).all()  # the "auto" default
+        # The Nanny's MALLOC_TRIM_THRESHOLD_ was lifted while shuffles ran ...
+        assert (stats["host_pool_malloc_reuses"] > 0).all()
         assert_nothing_left_behind(client)
         time.sleep(5)
         after = client.run(_raw_rss)
         for worker, rss in after.items():
             grown = rss - before[worker]
             assert grown < 64 << 20, (worker, before[worker] >> 20, rss >> 20)
+        # ... and is back now that none runs.
+        assert (gpushuffle.statistics(client)["host_pool_malloc_reusing"] == 0).all()
 
 
 def test_shards_cut_into_small_messages_keep_every_row_in_order():

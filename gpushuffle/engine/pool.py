@@ -69,6 +69,10 @@ class PoolStatistics:
     bytes_in_use: int = 0
     #: Times every free block went back to the OS because no shuffle ran.
     idle_releases: int = 0
+    #: Times malloc was let reuse freed memory (:class:`MallocReuse`), and
+    #: whether it is now (1) or has the Nanny's settings back (0).
+    malloc_reuses: int = 0
+    malloc_reusing: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -98,6 +102,69 @@ def malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: While shuffles run: allocations up to this size come from malloc's heaps
+#: (glibc's largest mmap threshold on 64-bit systems) ...
+_REUSE_MMAP_THRESHOLD = 32 << 20
+#: ... and a heap keeps this much free memory at its top instead of trimming it.
+_REUSE_TRIM_THRESHOLD = 64 << 20
+#: glibc's mmap threshold when the adaptive one is off.
+_DEFAULT_MMAP_THRESHOLD = 128 << 10
+
+
+class MallocReuse:
+    """Let glibc reuse freed memory while shuffles run, and restore it after.
+
+    A Nanny starts workers with ``MALLOC_TRIM_THRESHOLD_`` set (distributed's
+    ``nanny.pre-spawn-environ``) so that freed memory goes back to the OS.
+    Setting it also turns off glibc's adaptive mmap threshold: every
+    allocation over 128 KiB is then a new mapping whose pages the kernel
+    faults in and zeroes, which on these machines costs about twenty times
+    writing to reused memory (received messages, hashes, pickles, pandas'
+    temporaries: a shuffle allocates all of them at its data rate).  While
+    shuffles run, the thresholds are raised; :meth:`restore` puts the
+    Nanny's back and trims, so memory still leaves once shuffles stop.
+    Workers without that variable keep glibc's adaptive thresholds and are
+    left alone.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        import os
+
+        trim = os.environ.get("MALLOC_TRIM_THRESHOLD_")
+        mmap_threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        self._restore_to: tuple[int, int] | None = None
+        self._mallopt: Any = None
+        if enabled and trim is not None and trim.isdigit():
+            with contextlib.suppress(OSError, AttributeError):
+                self._mallopt = ctypes.CDLL("libc.so.6").mallopt
+            self._restore_to = (
+                int(trim),
+                int(mmap_threshold)
+                if mmap_threshold and mmap_threshold.isdigit()
+                else _DEFAULT_MMAP_THRESHOLD,
+            )
+        self.reusing = False
+
+    def reuse(self) -> bool:
+        """Raise the thresholds; True if this changed them."""
+        if self._mallopt is None or self.reusing:
+            return False
+        self._mallopt(_M_MMAP_THRESHOLD, _REUSE_MMAP_THRESHOLD)
+        self._mallopt(_M_TRIM_THRESHOLD, _REUSE_TRIM_THRESHOLD)
+        self.reusing = True
+        return True
+
+    def restore(self) -> None:
+        if self._mallopt is None or not self.reusing or self._restore_to is None:
+            return
+        trim, mmap_threshold = self._restore_to
+        self._mallopt(_M_TRIM_THRESHOLD, trim)
+        self._mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+        self.reusing = False
+
+
 @dataclass
 class _Activity:
     """Shuffles running on this process, and when the last one stopped."""
@@ -120,8 +187,9 @@ class HostBufferPool:
         :meth:`release_idle` calls.
     """
 
-    def __init__(self, limit: int, idle_release: float) -> None:
+    def __init__(self, limit: int, idle_release: float, malloc_reuse: bool = False) -> None:
         self.limit = int(limit)
+        self.malloc = MallocReuse(malloc_reuse)
         self.idle_release = float(idle_release)
         self._lock = threading.Lock()
         # Free blocks sorted by size, with the time each was returned.
@@ -238,11 +306,36 @@ class HostBufferPool:
             trim = released > 0 or (quiet and not self._idle_released)
             if quiet:
                 self._idle_released = True
+                self.malloc.restore()
+                self.statistics.malloc_reusing = int(self.malloc.reusing)
         if trim:
             # Memory the C allocator holds (received messages, pickles,
             # pandas internals) goes back too.
             malloc_trim()
             self.statistics.idle_releases += 1
+        return released
+
+    def release_free(self) -> int:
+        """Unmap every free block now and trim malloc; returns the bytes unmapped.
+
+        For a change of phase: the blocks a transfer freed (split buffers)
+        rarely fit the unpack's requests (whole output partitions), and
+        whatever the transfer left in malloc's heaps is not needed either.
+        """
+        with self._lock:
+            self._absorb_returned()
+            released = 0
+            keep_sizes, keep_blocks = [], []
+            for size, entry in zip(self._sizes, self._blocks, strict=True):
+                if _unmap(entry[0]):
+                    released += size
+                else:  # pragma: no cover - a view escaped
+                    keep_sizes.append(size)
+                    keep_blocks.append(entry)
+            self._sizes, self._blocks = keep_sizes, keep_blocks
+            self.statistics.bytes_free -= released
+            self.statistics.bytes_released += released
+        malloc_trim()
         return released
 
     # -- shuffles running -----------------------------------------------------
@@ -252,6 +345,9 @@ class HostBufferPool:
         with self._lock:
             self._activity.active += 1
             self._activity.since = time.monotonic()
+            if self.malloc.reuse():
+                self.statistics.malloc_reuses += 1
+                self.statistics.malloc_reusing = 1
         self._ensure_trimmer()
 
     def unhold(self) -> None:
@@ -326,4 +422,8 @@ def _make_pool() -> HostBufferPool:
     )
     limit = min(limit, budget)
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
-    return HostBufferPool(limit=limit, idle_release=idle or 0)
+    return HostBufferPool(
+        limit=limit,
+        idle_release=idle or 0,
+        malloc_reuse=bool(config.get("memory.host-pool.malloc-reuse")),
+    )

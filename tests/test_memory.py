@@ -298,6 +298,8 @@ def test_cancelled_shuffle_leaves_no_spill_files():
 def test_release_free_unmaps_every_free_block_at_once():
     """What the first unpack of a run calls: split buffers freed by the
     transfer rarely fit whole output partitions."""
+    from gpushuffle.engine.pool import HostBufferPool
+
     pool = HostBufferPool(limit=1 << 30, idle_release=0)
     pool.hold()
     kept = pool.empty(3 << 20, np.uint8, tag="split")

@@ -245,6 +245,7 @@ class _ColumnBuilder:
         self.filling = out is not None
         self.out = out
         self.position = 0
+        self.copied = 0  # counted once, at the end (the counters take a lock)
         self.parts: list[Any] = []
 
     def add(self, values: Any) -> None:
@@ -256,7 +257,7 @@ class _ColumnBuilder:
         ):
             assert self.out is not None
             self.out[self.position : self.position + n] = values
-            copies.count("unpack", values.nbytes)
+            self.copied += values.nbytes
         else:
             if self.filling and self.out is not None:
                 if self.position:
@@ -266,6 +267,7 @@ class _ColumnBuilder:
         self.position += n
 
     def finish(self) -> Any:
+        copies.count("unpack", self.copied)
         if self.out is not None:
             return self.out
         if self.index:

@@ -362,6 +362,7 @@ def gpu_client(request):
 def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = False) -> None:
     """Each output partition holds the rows ``tasks`` puts there, in input order."""
     before = client.run(_wire)
+    copied_before = client.run(_copied)
     df = dd.from_pandas(gdf, npartitions=6, sort=False)
     ours = df.shuffle(
         on, npartitions=npartitions, ignore_index=ignore_index, shuffle_method="gpushuffle"
@@ -398,7 +399,21 @@ def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = 
     )
     if client.scheduler.address.startswith("ucx"):
         assert delta["wire_device_frames"] > 0, "UCX carried no device frame"
+    # Bytes copied per stage (gpushuffle.engine.copies) on the device path:
+    # every row is gathered by the split and copied into its output once.
+    after = client.run(_copied)
+    copied = {
+        k: sum(after[w][k] - copied_before[w][k] for w in after) for k in next(iter(after.values()))
+    }
+    assert copied["copied_split_bytes"] > 0 and copied["copied_unpack_bytes"] > 0, copied
+    assert copied["copied_send_bytes"] == copied["copied_receive_bytes"] > 0, copied
     assert_nothing_left_behind(client)
+
+
+def _copied(dask_worker=None) -> dict[str, int]:
+    from gpushuffle.engine import copies
+
+    return copies.statistics.as_dict()
 
 
 def test_shuffle_every_dtype_matches_tasks(gpu_client):

@@ -52,9 +52,16 @@ def assert_every_shard_serialized(delta: dict[str, dict[str, int]]) -> None:
         assert d["wire_shards_serialized"] > 0 and d["wire_shards_deserialized"] > 0, worker
 
 
+def _copied(dask_worker=None) -> dict[str, int]:
+    from gpushuffle.engine import copies
+
+    return copies.statistics.as_dict()
+
+
 def shuffle_checking_the_wire(client: Client, seed: int) -> None:
     """A shuffle checked against tasks; every remote shard went through its backend."""
     before = client.run(_wire)
+    copied_before = client.run(_copied)
     pdf = make_frame(3000, seed=seed)
     df = dd.from_pandas(pdf, npartitions=6, sort=False)
     check(
@@ -63,6 +70,14 @@ def shuffle_checking_the_wire(client: Client, seed: int) -> None:
         pdf,
     )
     assert_every_shard_serialized(wire_delta(client, before))
+    # What one worker's serializer sent, a peer's deserializer received.
+    after = client.run(_copied)
+    sent, received = (
+        sum(after[w][f"copied_{stage}_bytes"] - copied_before[w][f"copied_{stage}_bytes"]
+            for w in after)
+        for stage in ("send", "receive")
+    )  # fmt: skip
+    assert sent == received > 0
 
 
 def test_every_remote_shard_goes_through_its_backend(client):

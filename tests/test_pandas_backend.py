@@ -130,7 +130,7 @@ def test_arrow_columns_travel_as_views_cut_to_their_rows(kind, writable):
     backend sends each buffer as a view of the table, cut to the slice."""
     import pyarrow as pa
 
-    from gpushuffle.backends.arrow_pickle import _cuttable
+    from gpushuffle.backends.arrow import _cuttable
 
     column = _arrow_column(kind, 20_000)
     backend = PandasBackend()
@@ -162,6 +162,23 @@ def test_arrow_columns_travel_as_views_cut_to_their_rows(kind, writable):
         # (a cut starts at the byte holding its first validity bit: up to 7 more rows)
         assert sent <= own + 7 * 16 + 2, (kind, start, stop, sent, own)
         assert len(frames[0]) < 1000  # in band: metadata only
+
+
+@pytest.mark.parametrize(
+    "kind", ["str", "string[pyarrow]", "string", "decimal", "timestamp", "bool", "list"]
+)
+def test_arrow_take_matches_pandas_take(kind):
+    import pyarrow as pa
+
+    from gpushuffle.backends import arrow
+
+    column = _arrow_column(kind, 5_000)
+    sliced = column[100:4_000]  # a view: the take must honour its offset
+    rows = np.random.default_rng(1).permutation(len(sliced))[:2_500]
+    got = arrow.take(sliced, pa.array(rows))
+    assert type(got) is type(sliced) and got.dtype == sliced.dtype
+    pd.testing.assert_extension_array_equal(got, sliced.take(rows))
+    assert arrow.take(sliced, pa.array(rows[:0], pa.int64())).dtype == sliced.dtype
 
 
 def test_datetime_columns_travel_out_of_band():

@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends import arrow_pickle
+from gpushuffle.backends import arrow
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.engine import copies
 from gpushuffle.engine.pool import HostBufferPool, host_pool
@@ -108,11 +108,16 @@ def _take_rows(
         dtypes.append(index_dtype)
     carved = iter(_carve(pool, len(rows), dtypes, "split"))
     columns: list[Any] = []
+    arrow_rows: pa.Array | None = None
     for i, v in enumerate(values):
         if i in poolable:
             # mode="clip" skips the bounds-check copy numpy makes with out=
             # and mode="raise"; ``rows`` are valid positions, none is clipped.
             columns.append(np.take(v, rows, out=next(carved), mode="clip"))
+        elif arrow.is_arrow(v):
+            if arrow_rows is None:
+                arrow_rows = pa.array(rows)  # shared by every Arrow column, no copy
+            columns.append(arrow.take(v, arrow_rows))
         else:
             columns.append(v.take(rows))
     if index is None:
@@ -447,7 +452,7 @@ class PandasBackend(TableBackend):
         try:
             # numpy arrays and Arrow buffers go out of band as views; only
             # object columns and small metadata are copied into the payload.
-            payload = arrow_pickle.dumps((table.columns, table.index), buffers.append)
+            payload = arrow.dumps((table.columns, table.index), buffers.append)
         except Exception as e:
             raise _unpicklable(table, e) from e
         copies.count("serialize", len(payload))

@@ -1,4 +1,11 @@
-"""Pickling out of band what pickle would copy: Arrow-backed pandas arrays,
+"""Arrow-backed pandas arrays on gpushuffle's path: taken, and pickled.
+
+:func:`take` gathers rows of an Arrow-backed array with one ``pyarrow``
+take and none of pandas' per-call checks (a pass over the indices for their
+maximum, another for negative values, a fresh boolean array): the split
+takes every column with the same valid, non-negative positions.
+
+Pickling, out of band, what pickle would copy: Arrow-backed pandas arrays,
 cut to their rows, and numpy datetimes.
 
 pandas pickles an Arrow-backed array (the default ``str`` dtype, ``ArrowDtype``
@@ -29,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pandas.arrays import ArrowExtensionArray
 
 from gpushuffle.engine import copies
@@ -120,6 +128,21 @@ def _rebuild_array(
     if variable_width:
         buffers.append(pa.py_buffer(data))
     return pa.Array.from_buffers(type, length, buffers, null_count, shift)
+
+
+def take(values: ArrowExtensionArray, indices: pa.Array) -> Any:
+    """``values.take(indices)`` for valid non-negative ``indices`` (an int64
+    Arrow array shared by every column of a split)."""
+    taken = pc.take(values._pa_array, indices, boundscheck=False)  # type: ignore[attr-defined]
+    state = {k: v for k, v in values.__dict__.items() if k not in ("_pa_array", "_cache")}
+    return _rebuild_extension(type(values), state, taken.type, taken.chunks)
+
+
+def is_arrow(values: Any) -> bool:
+    """Whether ``values`` is a pandas array backed by a pyarrow ChunkedArray."""
+    return isinstance(values, ArrowExtensionArray) and isinstance(
+        getattr(values, "_pa_array", None), pa.ChunkedArray
+    )
 
 
 def _rebuild_extension(

@@ -731,3 +731,15 @@ def test_demo_checks_its_result_and_keeps_distributed_logs_out():
     assert "every row present once, each key in one partition: yes" in proc.stdout
     # distributed's scheduler plugin warns at every shuffle's start and end.
     assert "initialized by task" not in proc.stdout + proc.stderr
+
+
+def test_task_floor_benchmark_reports_per_task_costs():
+    from benchmarks.task_floor import main
+
+    r = CliRunner().invoke(main, ["--partitions", "8", "--rows", "800", "--repeat", "1"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("8 partitions, 2 workers x 1 thread")
+    # Task counts come from each graph: len is one task per partition.
+    assert "(8 tasks)" in lines[1] and lines[3].startswith("gpushuffle, len")
+    assert "ms per transfer or unpack task" in lines[-1]

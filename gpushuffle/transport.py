@@ -17,6 +17,7 @@ such a mistake fails loudly.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -133,13 +134,14 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
 
 def _frame_bytes(frame: Any) -> int:
     """A frame's size: host buffers, numpy and cupy arrays, rmm.DeviceBuffer."""
+    # Only statistics: whatever a frame is, counting it must not fail a send.
     for attribute in ("nbytes", "size"):
         value = getattr(frame, attribute, None)
-        if isinstance(value, int):
-            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
     try:
         return memoryview(frame).nbytes
-    except TypeError:  # pragma: no cover - an unknown frame type: not counted
+    except Exception:  # pragma: no cover - an unknown frame type: not counted
         return 0
 
 

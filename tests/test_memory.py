@@ -295,22 +295,51 @@ def test_cancelled_shuffle_leaves_no_spill_files():
             time.sleep(0.1)
 
 
-def test_release_free_unmaps_every_free_block_at_once():
-    """What the first unpack of a run calls: split buffers freed by the
-    transfer rarely fit whole output partitions."""
+def test_free_blocks_go_once_every_shuffle_on_the_worker_unpacks():
+    """Split buffers freed by a transfer rarely fit whole output partitions:
+    they go when the last shuffle holding the pool starts its unpack, not
+    while another one still transfers (and would reuse them)."""
     from gpushuffle.engine.pool import HostBufferPool
 
     pool = HostBufferPool(limit=1 << 30, idle_release=0)
     pool.hold()
+    pool.hold()  # a second shuffle, still transferring
     kept = pool.empty(3 << 20, np.uint8, tag="split")
     for size in (2 << 20, 5 << 20):
         pool.empty(size, np.uint8, tag="split")[:] = 1  # freed at once
     assert pool.usage()["free"] >= 7 << 20
-    assert pool.release_free() >= 7 << 20
+    assert pool.start_unpack() == 0  # the other one transfers: kept
+    assert pool.usage()["free"] >= 7 << 20
+    assert pool.start_unpack() >= 7 << 20
     assert pool.usage()["free"] == 0 and pool.usage()["split"] >= 3 << 20  # in use: kept
     del kept
     assert pool.usage()["free"] >= 3 << 20
+    pool.unhold(unpacked=True)
+    pool.unhold(unpacked=True)
+    assert pool._activity.active == pool._activity.unpacking == 0
+
+
+@pytest.mark.parametrize("idle_release", [0.0, 0.05])
+def test_malloc_settings_come_back_and_heaps_are_trimmed(monkeypatch, idle_release):
+    """Even when no pooled buffer was used (small shards, or host-pool.limit 0),
+    and also without a grace period (idle-release 0)."""
+    from gpushuffle.engine import pool as pool_module
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+    trims = []
+    monkeypatch.setattr(pool_module, "malloc_trim", lambda: trims.append(1))
+    pool = pool_module.HostBufferPool(limit=0, idle_release=idle_release, malloc_reuse=True)
+    pool.malloc._mallopt = lambda option, value: 1
+    pool.hold()
+    assert pool.malloc.reusing
+    pool.empty(100, np.uint8)  # not pooled
     pool.unhold()
+    if idle_release:
+        time.sleep(idle_release * 2)
+        pool.release_idle()
+    assert not pool.malloc.reusing
+    assert trims, "restored without trimming what the heaps kept"
+    assert pool.statistics.malloc_reusing == 0
 
 
 def test_malloc_reuse_only_lifts_a_nanny_trim_threshold(monkeypatch):

@@ -204,6 +204,19 @@ def test_datetime_columns_travel_out_of_band():
     pd.testing.assert_index_equal(back.index, table.index)
 
 
+def test_datetimes_nested_in_object_columns_keep_their_shape():
+    from gpushuffle.backends import arrow
+
+    cell = np.arange(6).astype("M8[s]").reshape(2, 3)
+    column = np.empty(2, object)
+    column[0], column[1] = cell, np.datetime64("2001-01-01", "ns")
+    buffers: list = []
+    payload = arrow.dumps(([column], None), buffers.append)
+    (back,), _ = __import__("pickle").loads(payload, buffers=[b.raw() for b in buffers])
+    assert back[0].shape == (2, 3) and (back[0] == cell).all()
+    assert back[1] == column[1]
+
+
 def test_shard_serializes_through_distributed():
     from distributed.protocol import deserialize, serialize
 

@@ -167,7 +167,7 @@ class OutOfBandPickler(pickle.Pickler):
         if type(obj) is np.ndarray:
             # numpy pickles datetime64 and timedelta64 arrays in band (their
             # dtype carries a unit): send their int64 view out of band.
-            if obj.dtype.kind in "mM" and obj.flags.c_contiguous:
+            if obj.dtype.kind in "mM" and obj.ndim == 1 and obj.flags.c_contiguous:
                 return (_datetimes, (pickle.PickleBuffer(obj.view(np.int64).data), obj.dtype.str))
             return NotImplemented
         if not isinstance(obj, ArrowExtensionArray):

@@ -279,9 +279,16 @@ class _ColumnBuilder:
             out = _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
         else:
             out = _concat_column(self.parts, self.dtype, self.pool)
-        if len(self.parts) != 1 or out is not self.parts[0]:
+        if len(self.parts) != 1 or not _same_memory(out, self.parts[0]):
             copies.count("unpack", int(out.nbytes))
         return out
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` is ``b`` or a numpy view of it (no copy was made)."""
+    if a is b:
+        return True
+    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
 
 
 def _check_picklable(name: Any, values: pd.Series, input_partition: int) -> None:

@@ -63,6 +63,8 @@ class CopyStatistics:
         return {f"copied_{f.name}_bytes": getattr(self, f.name) for f in fields(self)}
 
 
+_STAGE_SET = frozenset(STAGES)
+
 #: This process's counters (stages run on task, comm and offload threads).
 statistics = CopyStatistics()
 _lock = threading.Lock()
@@ -70,6 +72,7 @@ _lock = threading.Lock()
 
 def count(stage: str, nbytes: int) -> None:
     """Record ``nbytes`` copied by ``stage`` (one of :data:`STAGES`)."""
+    assert stage in _STAGE_SET, stage
     if nbytes:
         with _lock:
             setattr(statistics, stage, getattr(statistics, stage) + int(nbytes))

@@ -156,13 +156,16 @@ class MallocReuse:
         self.reusing = True
         return True
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
+        """Put the Nanny's thresholds back; True if this changed them (the
+        caller then trims what the heaps kept)."""
         if self._mallopt is None or not self.reusing or self._restore_to is None:
-            return
+            return False
         trim, mmap_threshold = self._restore_to
         self._mallopt(_M_TRIM_THRESHOLD, trim)
         self._mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
         self.reusing = False
+        return True
 
 
 @dataclass
@@ -170,6 +173,8 @@ class _Activity:
     """Shuffles running on this process, and when the last one stopped."""
 
     active: int = 0
+    #: Of those, the ones that started their unpack.
+    unpacking: int = 0
     since: float = field(default_factory=time.monotonic)
 
 
@@ -306,8 +311,8 @@ class HostBufferPool:
             trim = released > 0 or (quiet and not self._idle_released)
             if quiet:
                 self._idle_released = True
-                self.malloc.restore()
-                self.statistics.malloc_reusing = int(self.malloc.reusing)
+                # The heaps kept what was freed while shuffles ran, pooled or not.
+                trim = self._restore_malloc() or trim
         if trim:
             # Memory the C allocator holds (received messages, pickles,
             # pandas internals) goes back too.
@@ -315,25 +320,34 @@ class HostBufferPool:
             self.statistics.idle_releases += 1
         return released
 
-    def release_free(self) -> int:
-        """Unmap every free block now and trim malloc; returns the bytes unmapped.
+    def _restore_malloc(self) -> bool:
+        restored = self.malloc.restore()
+        self.statistics.malloc_reusing = int(self.malloc.reusing)
+        return restored
 
-        For a change of phase: the blocks a transfer freed (split buffers)
-        rarely fit the unpack's requests (whole output partitions), and
-        whatever the transfer left in malloc's heaps is not needed either.
+    def start_unpack(self) -> int:
+        """A shuffle on this worker starts its unpack; returns the bytes unmapped.
+
+        Once every shuffle holding the pool unpacks, every free block is
+        unmapped and malloc trimmed: the blocks a transfer freed (split
+        buffers) rarely fit the unpack's requests (whole output partitions),
+        and what the transfer left in malloc's heaps is not needed either.
+        A shuffle still transferring keeps them.
         """
         with self._lock:
+            self._activity.unpacking += 1
+            if self._activity.unpacking < self._activity.active:
+                return 0
             self._absorb_returned()
-            released = 0
-            keep_sizes, keep_blocks = [], []
-            for size, entry in zip(self._sizes, self._blocks, strict=True):
-                if _unmap(entry[0]):
-                    released += size
-                else:  # pragma: no cover - a view escaped
-                    keep_sizes.append(size)
-                    keep_blocks.append(entry)
-            self._sizes, self._blocks = keep_sizes, keep_blocks
-            self.statistics.bytes_free -= released
+            blocks, self._sizes, self._blocks = self._blocks, [], []
+            self.statistics.bytes_free = 0
+        # Unmapped outside the lock: other threads' requests need not wait.
+        released = 0
+        for block, _ in blocks:
+            size = len(block)
+            if _unmap(block):
+                released += size
+        with self._lock:
             self.statistics.bytes_released += released
         malloc_trim()
         return released
@@ -350,11 +364,20 @@ class HostBufferPool:
                 self.statistics.malloc_reusing = 1
         self._ensure_trimmer()
 
-    def unhold(self) -> None:
-        """A shuffle ended; after ``idle_release`` without one, free blocks go."""
+    def unhold(self, unpacked: bool = False) -> None:
+        """A shuffle ended (``unpacked``: after :meth:`start_unpack`); after
+        ``idle_release`` without one, free blocks go."""
         with self._lock:
             self._activity.active = max(0, self._activity.active - 1)
+            if unpacked:
+                self._activity.unpacking = max(0, self._activity.unpacking - 1)
             self._activity.since = time.monotonic()
+            restored = (
+                self.idle_release <= 0 and not self._activity.active and self._restore_malloc()
+            )
+        if restored:
+            # Without a grace period nothing would put malloc's settings back.
+            malloc_trim()
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:

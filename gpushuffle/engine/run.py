@@ -25,7 +25,6 @@ from gpushuffle import config
 from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import DEVICE, worker_memory
-from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
 from gpushuffle.transport import Shard, wire_payload
@@ -105,7 +104,6 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             describe=f"gpushuffle {spec.id} on {worker.address}",
         )
         self._closing = asyncio.Event()
-        self._unpacking = False
         self._layout(worker_for, spec.npartitions)
 
     def _layout(self, worker_for: dict[int, str], npartitions: int) -> None:
@@ -305,12 +303,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     # -- unpack -----------------------------------------------------------
 
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
-        if not self._unpacking:
-            # The transfer's free buffers and malloc heaps go back before the
-            # first output is built: unpack needs none of them, and this is
-            # when the store holds the most.
-            self._unpacking = True
-            host_pool().release_free()
+        # The transfer's free buffers and malloc heaps go back before the
+        # first output is built (once no other shuffle on the worker still
+        # transfers): unpack needs none of them, and this is when the store
+        # holds the most.
+        self.store.start_unpack()
         nrows, tables = self.store.read(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)

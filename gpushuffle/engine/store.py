@@ -141,6 +141,7 @@ class ShardStore:
         self._lock = threading.Lock()  # accounting, shared with unpack threads
         self._evicting = asyncio.Lock()
         self._closed = False
+        self._unpacking = False
         self.statistics = StoreStatistics()
         # Free pool blocks stay while a run is open, for its next split or
         # unpack; the last run closing starts the pool's countdown to release.
@@ -308,6 +309,14 @@ class ShardStore:
 
     # -- reading (task thread, after the barrier) ---------------------------
 
+    def start_unpack(self) -> None:
+        """The run's first unpack: the pool may drop what the transfer freed."""
+        with self._lock:
+            if self._unpacking or self._closed:
+                return
+            self._unpacking = True
+        host_pool().start_unpack()
+
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.
 
@@ -436,7 +445,7 @@ class ShardStore:
                 group.pieces.clear()
             self._groups.clear()
             self._pieces.clear()
-        host_pool().unhold()
+        host_pool().unhold(unpacked=self._unpacking)
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def _raise_if_closed(self) -> None:

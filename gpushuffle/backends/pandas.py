@@ -232,6 +232,11 @@ def _fills(dtype: Any) -> bool:
     return isinstance(dtype, np.dtype) and not dtype.hasobject
 
 
+#: Pieces smaller than this are gathered and copied together.
+_BATCH_BYTES = 256 << 10
+_BATCH_PIECES = 256
+
+
 class _ColumnBuilder:
     """One output column, filled piece by piece.
 
@@ -270,6 +275,22 @@ class _ColumnBuilder:
                 self.filling, self.out = False, None
             self.parts.append(values)
         self.position += n
+
+    def add_all(self, values: list[Any]) -> None:
+        """:meth:`add` each of ``values``; plain numpy pieces in one copy."""
+        if len(values) > 1 and self.filling:
+            assert self.out is not None
+            if all(type(v) is np.ndarray for v in values) and all(
+                np.can_cast(dtype, self.dtype, "safe") for dtype in {v.dtype for v in values}
+            ):
+                n = sum(len(v) for v in values)
+                out = self.out[self.position : self.position + n]
+                np.concatenate(values, out=out, casting="safe")
+                self.copied += out.nbytes
+                self.position += n
+                return
+        for v in values:
+            self.add(v)
 
     def finish(self) -> Any:
         copies.count("unpack", self.copied)
@@ -412,16 +433,35 @@ class PandasBackend(TableBackend):
         index_builder = builders[-1] if plain_index else None
         del builders
         indexes: list[pd.Index] = []
-        for table in tables:
-            for builder, values in zip(columns, table.columns, strict=True):
-                builder.add(values)
+        # Small pieces are copied in batches (one call per column for many
+        # pieces: with many partitions most pieces are a few rows), large
+        # ones one at a time; either way at most _BATCH_BYTES of pieces is
+        # held beyond the piece being copied.
+        batch: list[PandasTable] = []
+        batch_bytes = 0
+
+        def flush() -> None:
+            nonlocal batch_bytes
+            if not batch:
+                return
+            for i, builder in enumerate(columns):
+                builder.add_all([t.columns[i] for t in batch])
             if keep_index:
-                assert table.index is not None
                 if index_builder is not None:
-                    index_builder.add(table.index.values)
+                    index_builder.add_all([t.index.values for t in batch])  # type: ignore[union-attr]
                 else:
-                    indexes.append(table.index)
+                    indexes.extend(t.index for t in batch)  # type: ignore[misc]
+            batch.clear()
+            batch_bytes = 0
+
+        for table in tables:
+            assert not keep_index or table.index is not None
+            batch.append(table)
+            batch_bytes += _nbytes(table)
+            if batch_bytes >= _BATCH_BYTES or len(batch) >= _BATCH_PIECES:
+                flush()
             del table  # let the store release this piece before the next
+        flush()
         arrays = [builder.finish() for builder in columns]
         if index_builder is not None:
             index = pd.Index(index_builder.finish(), name=meta.index.name, copy=False)

@@ -334,10 +334,17 @@ class HostBufferPool:
         and what the transfer left in malloc's heaps is not needed either.
         A shuffle still transferring keeps them.
         """
+        return self.release_free() if self.count_unpack() else 0
+
+    def count_unpack(self) -> bool:
+        """Count one more shuffle unpacking; True if every holder now unpacks."""
         with self._lock:
             self._activity.unpacking += 1
-            if self._activity.unpacking < self._activity.active:
-                return 0
+            return self._activity.unpacking >= self._activity.active
+
+    def release_free(self) -> int:
+        """Unmap every free block and trim malloc; returns the bytes unmapped."""
+        with self._lock:
             self._absorb_returned()
             blocks, self._sizes, self._blocks = self._blocks, [], []
             self.statistics.bytes_free = 0

@@ -311,11 +311,16 @@ class ShardStore:
 
     def start_unpack(self) -> None:
         """The run's first unpack: the pool may drop what the transfer freed."""
+        pool = host_pool()
         with self._lock:
             if self._unpacking or self._closed:
                 return
+            # Counted under the store's lock, which close() takes before it
+            # reads _unpacking: the pool's count always matches.
             self._unpacking = True
-        host_pool().start_unpack()
+            release = pool.count_unpack()
+        if release:
+            pool.release_free()
 
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.

@@ -80,6 +80,7 @@ def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
     rows = shift + length
     bitmap = None if validity is None else _view(validity, first // 8, (first + rows + 7) // 8)
     offset_type = _OFFSET_TYPES.get(array.type)
+    data_view: pickle.PickleBuffer | None = None
     if offset_type is not None:
         offsets_buffer, data = rest
         width = np.dtype(offset_type).itemsize
@@ -88,28 +89,21 @@ def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
         if base:
             offsets = offsets - offsets.dtype.type(base)
             copies.count("serialize", offsets.nbytes)
+        values = pickle.PickleBuffer(offsets.data)
         data_view = _view(data if data is not None else pa.py_buffer(b""), base, end)
-        return (
-            array.type,
-            length,
-            shift,
-            array.null_count,
-            bitmap,
-            pickle.PickleBuffer(offsets.data),
-            True,
-            data_view,
-        )
-    itemsize = _fixed_width(array.type)
-    assert itemsize is not None
+    else:
+        itemsize = _fixed_width(array.type)
+        assert itemsize is not None
+        values = _view(rest[0], first * itemsize, (first + rows) * itemsize)
     return (
         array.type,
         length,
         shift,
         array.null_count,
         bitmap,
-        _view(rest[0], first * itemsize, (first + rows) * itemsize),
-        False,
-        None,
+        values,
+        data_view is not None,
+        data_view,
     )
 
 
@@ -134,8 +128,7 @@ def take(values: ArrowExtensionArray, indices: pa.Array) -> Any:
     """``values.take(indices)`` for valid non-negative ``indices`` (an int64
     Arrow array shared by every column of a split)."""
     taken = pc.take(values._pa_array, indices, boundscheck=False)  # type: ignore[attr-defined]
-    state = {k: v for k, v in values.__dict__.items() if k not in ("_pa_array", "_cache")}
-    return _rebuild_extension(type(values), state, taken.type, taken.chunks)
+    return _rebuild_extension(type(values), _state(values), taken.type, taken.chunks)
 
 
 def is_arrow(values: Any) -> bool:
@@ -143,6 +136,11 @@ def is_arrow(values: Any) -> bool:
     return isinstance(values, ArrowExtensionArray) and isinstance(
         getattr(values, "_pa_array", None), pa.ChunkedArray
     )
+
+
+def _state(values: ArrowExtensionArray) -> dict[str, Any]:
+    """What a pandas Arrow-backed array holds besides its data (its dtype)."""
+    return {k: v for k, v in values.__dict__.items() if k not in ("_pa_array", "_cache")}
 
 
 def _rebuild_extension(
@@ -175,13 +173,12 @@ class OutOfBandPickler(pickle.Pickler):
         chunked = obj._pa_array  # type: ignore[attr-defined]
         if not isinstance(chunked, pa.ChunkedArray) or not _cuttable(chunked.type):
             return NotImplemented
-        state = {k: v for k, v in obj.__dict__.items() if k not in ("_pa_array", "_cache")}
         chunks = [c for c in chunked.chunks if len(c)]
         # A nested call through pickle's own machinery: each chunk's
         # arguments are pickled like any other, buffers out of band.
         return (
             _rebuild_extension,
-            (type(obj), state, chunked.type, [_ChunkReduce(c) for c in chunks]),
+            (type(obj), _state(obj), chunked.type, [_ChunkReduce(c) for c in chunks]),
         )
 
 

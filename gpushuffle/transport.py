@@ -18,9 +18,8 @@ such a mistake fails loudly.
 from __future__ import annotations
 
 import numbers
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ from distributed.protocol import (
 )
 
 from gpushuffle.backends import backend_named
+from gpushuffle.counters import Counters
 from gpushuffle.engine import copies
 
 
@@ -58,7 +58,7 @@ class Shard:
 
 
 @dataclass
-class WireStatistics:
+class WireStatistics(Counters):
     """Shards this process sent, serialized and deserialized (cumulative).
 
     Every shard sent to another worker is serialized once by its backend and
@@ -75,24 +75,16 @@ class WireStatistics:
     bytes_deserialized: int = 0
     device_frames: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {f"wire_{f.name}": getattr(self, f.name) for f in fields(self)}
+    PREFIX = "wire_"
 
 
 #: This process's wire statistics (serializers may run in comm threads).
 statistics = WireStatistics()
-_statistics_lock = threading.Lock()
-
-
-def _count(**increments: int) -> None:
-    with _statistics_lock:
-        for name, value in increments.items():
-            setattr(statistics, name, getattr(statistics, name) + value)
 
 
 def wire_payload(shards: Sequence[Shard]) -> Serialize:
     """The ``data`` of one message: shards that each reach their serializer."""
-    _count(shards_sent=len(shards), bytes_sent=sum(s.nbytes for s in shards))
+    statistics.add(shards_sent=len(shards), bytes_sent=sum(s.nbytes for s in shards))
     return to_serialize(list(shards))
 
 
@@ -101,7 +93,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
         shard.table, device_frames=device_frames
     )
     copies.count("send", sum(_frame_bytes(f) for f in frames))
-    _count(
+    statistics.add(
         shards_serialized=1,
         bytes_serialized=shard.nbytes,
         device_frames=sum(hasattr(f, "__cuda_array_interface__") for f in frames),
@@ -119,7 +111,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
 
 def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
     backend = backend_named(header["backend"])
-    _count(shards_deserialized=1, bytes_deserialized=header["nbytes"])
+    statistics.add(shards_deserialized=1, bytes_deserialized=header["nbytes"])
     copies.count("receive", sum(_frame_bytes(f) for f in frames))
     return Shard(
         backend=header["backend"],

@@ -31,8 +31,9 @@ Stages, in a row's order through a shuffle:
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from gpushuffle.counters import Counters
 
 STAGES = (
     "split",
@@ -47,8 +48,11 @@ STAGES = (
 
 
 @dataclass
-class CopyStatistics:
+class CopyStatistics(Counters):
     """Bytes copied per stage (cumulative, this process)."""
+
+    PREFIX = "copied_"
+    SUFFIX = "_bytes"
 
     split: int = 0
     serialize: int = 0
@@ -59,20 +63,15 @@ class CopyStatistics:
     move: int = 0
     unpack: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {f"copied_{f.name}_bytes": getattr(self, f.name) for f in fields(self)}
-
 
 _STAGE_SET = frozenset(STAGES)
 
 #: This process's counters (stages run on task, comm and offload threads).
 statistics = CopyStatistics()
-_lock = threading.Lock()
 
 
 def count(stage: str, nbytes: int) -> None:
     """Record ``nbytes`` copied by ``stage`` (one of :data:`STAGES`)."""
     assert stage in _STAGE_SET, stage
     if nbytes:
-        with _lock:
-            setattr(statistics, stage, getattr(statistics, stage) + int(nbytes))
+        statistics.add(**{stage: nbytes})

@@ -325,19 +325,15 @@ class HostBufferPool:
         self.statistics.malloc_reusing = int(self.malloc.reusing)
         return restored
 
-    def start_unpack(self) -> int:
-        """A shuffle on this worker starts its unpack; returns the bytes unmapped.
-
-        Once every shuffle holding the pool unpacks, every free block is
-        unmapped and malloc trimmed: the blocks a transfer freed (split
-        buffers) rarely fit the unpack's requests (whole output partitions),
-        and what the transfer left in malloc's heaps is not needed either.
-        A shuffle still transferring keeps them.
-        """
-        return self.release_free() if self.count_unpack() else 0
-
     def count_unpack(self) -> bool:
-        """Count one more shuffle unpacking; True if every holder now unpacks."""
+        """Count one more shuffle on this worker unpacking; True if every
+        holder now unpacks.
+
+        Then its caller calls :meth:`release_free`: the blocks a transfer
+        freed (split buffers) rarely fit the unpack's requests (whole output
+        partitions), and what the transfer left in malloc's heaps is not
+        needed either.  A shuffle still transferring keeps them.
+        """
         with self._lock:
             self._activity.unpacking += 1
             return self._activity.unpacking >= self._activity.active
@@ -372,7 +368,7 @@ class HostBufferPool:
         self._ensure_trimmer()
 
     def unhold(self, unpacked: bool = False) -> None:
-        """A shuffle ended (``unpacked``: after :meth:`start_unpack`); after
+        """A shuffle ended (``unpacked``: after :meth:`count_unpack`); after
         ``idle_release`` without one, free blocks go."""
         with self._lock:
             self._activity.active = max(0, self._activity.active - 1)

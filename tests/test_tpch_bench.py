@@ -65,5 +65,16 @@ def test_tpch_benchmark_checks_every_method_against_duckdb(tmp_path):
         for m in ("gpushuffle", "p2p", "tasks")
     }
     assert all(r["checked_against_duckdb"] for r in runs)
+    # One untimed warm-up per query and method, left out of the medians.
+    warmups = [(r["query"], r["method"]) for r in runs if r["warmup"]]
+    assert sorted(warmups) == sorted({(r["query"], r["method"]) for r in runs})
+    for row in saved["summary"]:
+        for m in ("gpushuffle", "p2p", "tasks"):
+            timed = [
+                r["wall_s"]
+                for r in runs
+                if r["query"] == row["query"] and r["method"] == m and not r["warmup"]
+            ]
+            assert timed == [row[f"{m}_s"]]
     assert saved["context"]["dtypes_as_read"]["lineitem"]["l_extendedprice"].startswith("decimal")
     assert picture.stat().st_size > 10_000

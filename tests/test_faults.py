@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from typing import Any
 from unittest import mock
 
 import dask
 import pytest
-from distributed import KilledWorker, Nanny, Worker, wait
+from dask.utils import key_split
+from distributed import KilledWorker, Nanny, Reschedule, Worker, wait
 from distributed.worker import Status
 from faults import (
     TRANSFER,
@@ -159,6 +161,58 @@ class BlockedInputsDone(GPUShuffleRun):
         self.in_inputs_done.set()
         await self.block_inputs_done.wait()
         await super().inputs_done()
+
+
+class BlockedUnpack(GPUShuffleRun):
+    """Holds every unpack until the test lets it through."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_unpack = threading.Event()
+        self.release_unpack = threading.Event()
+
+    def _get_output_partition(self, partition_id: int, key: Any, **kwargs: Any) -> Any:
+        self.in_unpack.set()
+        self.release_unpack.wait(60)
+        return super()._get_output_partition(partition_id, key, **kwargs)
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedUnpack)
+@cluster_test(n_workers=2, timeout=90)
+async def test_output_asked_of_another_worker_is_rescheduled_to_its_own(c, s, a, b):
+    """An output partition asked of a worker it is not assigned to is sent
+    back to the scheduler, restricted to its worker; the check is made in the
+    task's thread (only a reschedule goes through the event loop)."""
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffle_id = await wait_for_shuffle(s)
+    try:
+        await wait_for(
+            lambda: (
+                shuffle_id in a.plugins["shuffle"].shuffle_runs._active_runs
+                and active_run(a, shuffle_id).in_unpack.is_set()
+            ),
+            what="an unpack on a",
+        )
+        run = active_run(a, shuffle_id)
+        elsewhere = next(p for p, w in sorted(run.worker_for.items()) if w != a.address)
+        (key,) = (
+            ts.key
+            for ts in s.tasks.values()
+            if key_split(ts.key) == UNPACK and isinstance(ts.key, tuple) and ts.key[1] == elsewhere
+        )
+        s.tasks[key].worker_restrictions = None  # what the reschedule must put back
+        with pytest.raises(Reschedule):
+            await asyncio.to_thread(run.get_output_partition, elsewhere, key)
+        assert s.tasks[key].worker_restrictions == {run.worker_for[elsewhere]}
+    finally:
+        for w in (a, b):
+            for r in w.plugins["shuffle"].shuffle_runs._active_runs.values():
+                r.release_unpack.set()
+    assert_correct(await c.gather(futures), expected)
+    del futures
+    await assert_workers_clean(c)
+    await finish(c, s)
 
 
 def active_run(worker: Any, shuffle_id: str) -> Any:

@@ -302,6 +302,26 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     # -- unpack -----------------------------------------------------------
 
+    def get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
+        # distributed's version makes two round trips to the event loop for
+        # every output: one to check that the partition is assigned here, one
+        # to flush a receive buffer this run does not use (received shards
+        # go to the store before the sender's send returns, so every one is
+        # in by the barrier).  With many small partitions those hand-offs
+        # cost as much as building the output; here the check is made in
+        # the task's thread and the loop is asked only to reschedule.
+        self.raise_if_closed()
+        if self._get_assigned_worker(partition_id) != self.local_address:
+            sync(self._loop, self._ensure_output_worker, partition_id, key)  # raises Reschedule
+        if not self.transferred:
+            raise RuntimeError("`get_output_partition` called before barrier task")
+        with (
+            self._capture_metrics("foreground"),
+            context_meter.meter("p2p-get-output-noncpu"),
+            context_meter.meter("p2p-get-output-cpu", func=thread_time),
+        ):
+            return self._get_output_partition(partition_id, key, **kwargs)
+
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
         # The transfer's free buffers and malloc heaps go back before the
         # first output is built (once no other shuffle on the worker still

@@ -49,6 +49,30 @@ from distributed.shuffle._exceptions import (
 from distributed.shuffle._limiter import ResourceLimiter
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 
+
+def known_run(
+    plugin: ShuffleWorkerPlugin, shuffle_id: ShuffleId, run_id: int | None = None
+) -> ShuffleRun | None:
+    """The worker's active run of ``shuffle_id``, looked up in the task's thread.
+
+    distributed's task-side lookups (``get_or_create_shuffle``,
+    ``get_shuffle_run``) each make a round trip to the worker's event loop,
+    which with thousands of small tasks costs as much as the task's work.
+    When the run is already known (every task but a worker's first of a run)
+    this returns it; ``None`` means "ask distributed": no run yet, another
+    ``run_id`` (stale or newer: distributed decides), a closed manager, or a
+    failed run (distributed raises its error).  A run that closes after this
+    returns raises on use, as it would after distributed's lookup.
+    """
+    runs = plugin.shuffle_runs
+    run = runs._active_runs.get(shuffle_id)
+    if run is None or runs.closed or run._exception is not None:
+        return None
+    if run_id is not None and run.run_id != run_id:
+        return None
+    return run
+
+
 __all__ = [
     "BlockwiseMerge",
     "BroadcastJoin",
@@ -75,6 +99,7 @@ __all__ = [
     "barrier_key",
     "get_default_shuffle_method",
     "get_worker_plugin",
+    "known_run",
     "merge_chunk",
     "partitioning_index",
 ]

@@ -67,6 +67,7 @@ class WireStatistics(Counters):
     buffers (UCX with cuDF).
     """
 
+    messages_sent: int = 0
     shards_sent: int = 0
     shards_serialized: int = 0
     shards_deserialized: int = 0
@@ -84,7 +85,9 @@ statistics = WireStatistics()
 
 def wire_payload(shards: Sequence[Shard]) -> Serialize:
     """The ``data`` of one message: shards that each reach their serializer."""
-    statistics.add(shards_sent=len(shards), bytes_sent=sum(s.nbytes for s in shards))
+    statistics.add(
+        messages_sent=1, shards_sent=len(shards), bytes_sent=sum(s.nbytes for s in shards)
+    )
     return to_serialize(list(shards))
 
 

@@ -84,6 +84,27 @@ def test_every_remote_shard_goes_through_its_backend(client):
     shuffle_checking_the_wire(client, seed=5)
 
 
+def test_small_shards_to_one_worker_travel_together(client):
+    """Many small input partitions: their remote shards wait for each other
+    and cross the wire in a few messages, not one per transfer task."""
+    before = client.run(_wire)
+    pdf = make_frame(4000, seed=11)
+    df = dd.from_pandas(pdf, npartitions=100, sort=False)
+    check(
+        df.shuffle("key", npartitions=50, shuffle_method="gpushuffle"),
+        df.shuffle("key", npartitions=50, shuffle_method="tasks"),
+        pdf,
+    )
+    delta = wire_delta(client, before)
+    assert_every_shard_serialized(delta)
+    for worker, d in delta.items():
+        # Each worker transferred about 50 inputs, each with rows for the
+        # other worker; under 1 MiB in all, so they go when the inputs are
+        # done, in one message (a few if distributed's buffer splits them).
+        assert d["wire_shards_sent"] >= 20, (worker, d)
+        assert 1 <= d["wire_messages_sent"] <= 4, (worker, d)
+
+
 def test_statistics_report_the_wire(client):
     stats = gpushuffle.statistics(client)
     for column in ("wire_shards_sent", "wire_shards_serialized", "wire_shards_deserialized"):

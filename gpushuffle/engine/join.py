@@ -21,11 +21,10 @@ from gpushuffle._distributed import (
     ShuffleId,
     _is_numeric_cast_type,
     _select_columns_or_index,
-    get_worker_plugin,
     partitioning_index,
 )
 from gpushuffle.backends import backend_for
-from gpushuffle.engine.tasks import _phase_errors, transfer
+from gpushuffle.engine.tasks import _phase_errors, get_output, transfer
 
 #: The partition-id column added to each side before its transfer (dask's
 #: name for it in ``HashJoinP2P``).
@@ -89,11 +88,10 @@ def join_unpack(
     Each side is assembled against its meta, then the two are merged by the
     backend; neither side becomes a key of its own in worker memory.
     """
-    plugin = get_worker_plugin()
     with _phase_errors(id_left, f"unpack of output partition {output_partition} (left side)"):
-        left = plugin.get_output_partition(id_left, barrier_left, output_partition)
+        left = get_output(id_left, barrier_left, output_partition)
     with _phase_errors(id_right, f"unpack of output partition {output_partition} (right side)"):
-        right = plugin.get_output_partition(id_right, barrier_right, output_partition)
+        right = get_output(id_right, barrier_right, output_partition)
     with _phase_errors(id_left, f"merge of output partition {output_partition}"):
         return backend_for(result_meta).merge(
             left,

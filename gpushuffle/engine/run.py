@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
+#: default) are held back until that much is ready for their worker.
+_LINGER_FRACTION = 16
+
 
 # The base class's first parameter types both output partitions (ints here)
 # and the keys of shards on the wire ((input partition, chunk) here).
@@ -95,6 +99,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         memory.runs_started += 1
         self.send_timeout = parse_timedelta(config.get("comm.timeout"), default="s") or None
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
+        # Remote shards smaller than this wait, per worker, until this much
+        # is ready (or every input is in): at most this per peer is held.
+        self.linger_bytes = max(1, self.message_bytes // _LINGER_FRACTION)
+        self._lingering: dict[str, list[Shard]] = {}
+        self._lingering_bytes: dict[str, int] = {}
         self.store = ShardStore(
             backend=self.backend,
             memory=memory,
@@ -153,9 +162,43 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # Shards for this worker skip serialization and the comm buffer.
             await self._store([local])
         for round in remote:
-            # distributed's comm buffer keeps whatever it is given and hands
-            # it to send(); its type says (key, shard), ours carry their key.
-            await self._write_to_comm(round)  # type: ignore[arg-type]
+            direct: dict[str, Shard] = {}
+            for address, shard in round.items():
+                if shard.nbytes >= self.linger_bytes and not self._lingering.get(address):
+                    direct[address] = shard
+                    continue
+                # Small shards wait for others to the same worker: the comm
+                # buffer sends whatever it holds at once, so with many small
+                # input partitions every transfer would cost a message (an
+                # RPC on both sides) for a few rows.
+                self._lingering.setdefault(address, []).append(shard)
+                self._lingering_bytes[address] = (
+                    self._lingering_bytes.get(address, 0) + shard.nbytes
+                )
+                if self._lingering_bytes[address] >= self.linger_bytes:
+                    await self._send_lingering(address)
+            if direct:
+                # distributed's comm buffer keeps whatever it is given and
+                # hands it to send(); its type says (key, shard), ours carry
+                # their key.
+                await self._write_to_comm(direct)  # type: ignore[arg-type]
+
+    async def _send_lingering(self, address: str) -> None:
+        shards = self._lingering.pop(address, [])
+        self._lingering_bytes.pop(address, None)
+        # Written without yielding to the loop in between (the buffer's
+        # write does not yield while under its memory limit), so the buffer
+        # packs them into as few messages as its message size allows.
+        for shard in shards:
+            await self._write_to_comm({address: shard})  # type: ignore[dict-item]
+
+    async def inputs_done(self) -> None:
+        # Every input is in: what still lingers goes before the comm buffer
+        # is flushed.
+        self.raise_if_closed()
+        for address in list(self._lingering):
+            await self._send_lingering(address)
+        await super().inputs_done()
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.

@@ -14,6 +14,7 @@ from collections.abc import Generator
 from typing import Any
 
 from distributed.exceptions import Reschedule
+from distributed.worker import thread_state
 
 from gpushuffle._distributed import (
     P2PConsistencyError,
@@ -21,6 +22,7 @@ from gpushuffle._distributed import (
     ShuffleClosedError,
     ShuffleId,
     get_worker_plugin,
+    known_run,
 )
 from gpushuffle.errors import (
     ShuffleCommError,
@@ -55,13 +57,26 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
 def transfer(input: Any, id: ShuffleId, input_partition: int) -> int:
     """Split one input partition and hand its shards to their workers."""
     with _phase_errors(id, f"transfer of input partition {input_partition}"):
-        return get_worker_plugin().add_partition(input, input_partition, id)
+        plugin = get_worker_plugin()
+        run = known_run(plugin, id)
+        if run is None:
+            return plugin.add_partition(input, input_partition, id)
+        return run.add_partition(data=input, partition_id=input_partition)
+
+
+def get_output(id: ShuffleId, barrier_run_id: int, partition: int) -> Any:
+    """Output ``partition`` of run ``barrier_run_id`` of shuffle ``id``, built on this worker."""
+    plugin = get_worker_plugin()
+    run = known_run(plugin, id, barrier_run_id)
+    if run is None:
+        return plugin.get_output_partition(id, barrier_run_id, partition)
+    return run.get_output_partition(partition_id=partition, key=thread_state.key)
 
 
 def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
     with _phase_errors(id, f"unpack of output partition {output_partition}"):
-        return get_worker_plugin().get_output_partition(id, barrier_run_id, output_partition)
+        return get_output(id, barrier_run_id, output_partition)
 
 
 def barrier(id: ShuffleId, *run_ids: int) -> int:

@@ -36,6 +36,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
 from gpushuffle.engine import copies
@@ -157,12 +159,16 @@ class ShardStore:
             return
         tier = self._backend.tier
         group = _Group(tier=tier, nbytes=shard.nbytes)
-        bounds = shard.offsets.tolist()
+        # Only the partitions with rows: with many output partitions most of
+        # a small shard's are empty, and this runs on the event loop.
+        offsets = np.asarray(shard.offsets)
+        nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
         for partition, start, stop in zip(
-            shard.partitions.tolist(), bounds, bounds[1:], strict=False
+            np.asarray(shard.partitions)[nonempty].tolist(),
+            offsets[nonempty].tolist(),
+            offsets[nonempty + 1].tolist(),
+            strict=True,
         ):
-            if stop <= start:
-                continue
             piece = _Piece(
                 partition=partition,
                 input_partition=shard.input_partition,

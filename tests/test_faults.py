@@ -181,8 +181,9 @@ class BlockedUnpack(GPUShuffleRun):
 @cluster_test(n_workers=2, timeout=90)
 async def test_output_asked_of_another_worker_is_rescheduled_to_its_own(c, s, a, b):
     """An output partition asked of a worker it is not assigned to is sent
-    back to the scheduler, restricted to its worker; the check is made in the
-    task's thread (only a reschedule goes through the event loop)."""
+    back to the scheduler (restricted to its worker) without being built; the
+    check is made in the task's thread (only a reschedule goes through the
+    event loop)."""
     expected = truth(NIN, ROWS, NOUT)
     futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
     shuffle_id = await wait_for_shuffle(s)
@@ -201,9 +202,11 @@ async def test_output_asked_of_another_worker_is_rescheduled_to_its_own(c, s, a,
             for ts in s.tasks.values()
             if key_split(ts.key) == UNPACK and isinstance(ts.key, tuple) and ts.key[1] == elsewhere
         )
-        s.tasks[key].worker_restrictions = None  # what the reschedule must put back
+        # Sent back at once: building it would block in _get_output_partition.
         with pytest.raises(Reschedule):
-            await asyncio.to_thread(run.get_output_partition, elsewhere, key)
+            await asyncio.wait_for(
+                asyncio.to_thread(run.get_output_partition, elsewhere, key), timeout=20
+            )
         assert s.tasks[key].worker_restrictions == {run.worker_for[elsewhere]}
     finally:
         for w in (a, b):
@@ -211,6 +214,30 @@ async def test_output_asked_of_another_worker_is_rescheduled_to_its_own(c, s, a,
                 r.release_unpack.set()
     assert_correct(await c.gather(futures), expected)
     del futures
+    await assert_workers_clean(c)
+    await finish(c, s)
+
+
+class InputsDoneTwice(GPUShuffleRun):
+    """The scheduler's barrier retried while the first call still drains the
+    shards held back for peers (it retries a worker that answered with an
+    OSError): both calls overlap, the first one slowed while it hands them
+    to the comm buffer."""
+
+    async def _write_to_comm(self, data: Any) -> None:
+        if self._inputs_done_started:
+            await asyncio.sleep(0.05)
+        await super()._write_to_comm(data)
+
+    async def inputs_done(self) -> None:
+        await asyncio.gather(super().inputs_done(), super().inputs_done())
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", InputsDoneTwice)
+@cluster_test(n_workers=2, timeout=90)
+async def test_overlapping_inputs_done_loses_no_held_back_shard(c, s, a, b):
+    expected = truth(NIN, ROWS, NOUT)
+    assert_correct(await c.gather(c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())), expected)
     await assert_workers_clean(c)
     await finish(c, s)
 

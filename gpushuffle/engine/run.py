@@ -101,9 +101,14 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
         # Remote shards smaller than this wait, per worker, until this much
         # is ready (or every input is in): at most this per peer is held.
-        self.linger_bytes = max(1, self.message_bytes // _LINGER_FRACTION)
+        # Host shards only: a pandas split gives each destination buffers of
+        # its own, while a cuDF shard is a view of the whole reordered input
+        # partition, which a waiting shard would keep on the device.
+        self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
+        self._inputs_done_started = False
+        self._inputs_done_lock = asyncio.Lock()
         self.store = ShardStore(
             backend=self.backend,
             memory=memory,
@@ -158,6 +163,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         return self.run_id
 
     async def _write(self, local: Shard | None, remote: list[dict[str, Shard]]) -> None:
+        if self._inputs_done_started:
+            # Shards held back now would never be sent.
+            raise RuntimeError(f"Cannot add more partitions to {self}")
         if local is not None:
             # Shards for this worker skip serialization and the comm buffer.
             await self._store([local])
@@ -194,11 +202,20 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def inputs_done(self) -> None:
         # Every input is in: what still lingers goes before the comm buffer
-        # is flushed.
+        # is flushed.  The scheduler may call this again while a first call
+        # still drains (it retries a worker that answered with an OSError):
+        # the lock makes the second wait, so it cannot flush the buffer
+        # under the first one's feet.
         self.raise_if_closed()
-        for address in list(self._lingering):
-            await self._send_lingering(address)
-        await super().inputs_done()
+        self._inputs_done_started = True
+        async with self._inputs_done_lock:
+            try:
+                for address in list(self._lingering):
+                    await self._send_lingering(address)
+            except Exception as e:
+                self._exception = e
+                raise
+            await super().inputs_done()
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.
@@ -390,6 +407,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # Release received shards and spill files first: the base class then
         # waits for the comm buffer's sends, which _closing makes give up.
         self._closing.set()
+        self._lingering.clear()
+        self._lingering_bytes.clear()
         self.store.close()
         await super().close()
 

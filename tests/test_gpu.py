@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import assert_nothing_left_behind
-from test_transport import _wire, wire_delta
+from test_transport import _copied, _wire, wire_delta
 from truth import checksum
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -408,12 +408,6 @@ def check_against_tasks(client, gdf, on, npartitions: int, ignore_index: bool = 
     assert copied["copied_split_bytes"] > 0 and copied["copied_unpack_bytes"] > 0, copied
     assert copied["copied_send_bytes"] == copied["copied_receive_bytes"] > 0, copied
     assert_nothing_left_behind(client)
-
-
-def _copied(dask_worker=None) -> dict[str, int]:
-    from gpushuffle.engine import copies
-
-    return copies.statistics.as_dict()
 
 
 def test_shuffle_every_dtype_matches_tasks(gpu_client):

@@ -58,18 +58,22 @@ def _copied(dask_worker=None) -> dict[str, int]:
     return copies.statistics.as_dict()
 
 
-def shuffle_checking_the_wire(client: Client, seed: int) -> None:
-    """A shuffle checked against tasks; every remote shard went through its backend."""
+def shuffle_checking_the_wire(
+    client: Client, seed: int, rows: int = 3000, inputs: int = 6, outputs: int = 4
+) -> dict[str, dict[str, int]]:
+    """A shuffle checked against tasks; every remote shard went through its
+    backend.  Returns what each worker's wire counters gained."""
     before = client.run(_wire)
     copied_before = client.run(_copied)
-    pdf = make_frame(3000, seed=seed)
-    df = dd.from_pandas(pdf, npartitions=6, sort=False)
+    pdf = make_frame(rows, seed=seed)
+    df = dd.from_pandas(pdf, npartitions=inputs, sort=False)
     check(
-        df.shuffle("key", npartitions=4, shuffle_method="gpushuffle"),
-        df.shuffle("key", npartitions=4, shuffle_method="tasks"),
+        df.shuffle("key", npartitions=outputs, shuffle_method="gpushuffle"),
+        df.shuffle("key", npartitions=outputs, shuffle_method="tasks"),
         pdf,
     )
-    assert_every_shard_serialized(wire_delta(client, before))
+    delta = wire_delta(client, before)
+    assert_every_shard_serialized(delta)
     # What one worker's serializer sent, a peer's deserializer received.
     after = client.run(_copied)
     sent, received = (
@@ -78,6 +82,7 @@ def shuffle_checking_the_wire(client: Client, seed: int) -> None:
         for stage in ("send", "receive")
     )  # fmt: skip
     assert sent == received > 0
+    return delta
 
 
 def test_every_remote_shard_goes_through_its_backend(client):
@@ -87,16 +92,7 @@ def test_every_remote_shard_goes_through_its_backend(client):
 def test_small_shards_to_one_worker_travel_together(client):
     """Many small input partitions: their remote shards wait for each other
     and cross the wire in a few messages, not one per transfer task."""
-    before = client.run(_wire)
-    pdf = make_frame(4000, seed=11)
-    df = dd.from_pandas(pdf, npartitions=100, sort=False)
-    check(
-        df.shuffle("key", npartitions=50, shuffle_method="gpushuffle"),
-        df.shuffle("key", npartitions=50, shuffle_method="tasks"),
-        pdf,
-    )
-    delta = wire_delta(client, before)
-    assert_every_shard_serialized(delta)
+    delta = shuffle_checking_the_wire(client, seed=11, rows=4000, inputs=100, outputs=50)
     for worker, d in delta.items():
         # Each worker transferred about 50 inputs, each with rows for the
         # other worker; under 1 MiB in all, so they go when the inputs are

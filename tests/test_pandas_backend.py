@@ -204,6 +204,61 @@ def test_datetime_columns_travel_out_of_band():
     pd.testing.assert_index_equal(back.index, table.index)
 
 
+_COLLECT_FRAMES_IN_CYCLES = """
+import gc
+import pandas as pd
+from gpushuffle.backends.pandas import PandasBackend, PandasTable
+
+stamps = pd.date_range("2001-01-01", periods=5_000, freq="min").to_numpy()
+strings = pd.array([None if i % 7 == 0 else f"s{i}" for i in range(5_000)], dtype="string[pyarrow]")
+
+
+class Cycle:
+    pass
+
+
+for _ in range(20):
+    _, frames = PandasBackend().serialize(PandasTable([strings[13:4_001], stamps[7:4_000]], None))
+    cycle = Cycle()
+    cycle.me, cycle.frames = cycle, frames
+    del frames, cycle
+    gc.collect()
+"""
+
+
+def _no_core_dump() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def test_frames_held_by_a_reference_cycle_are_collected_safely():
+    """A shard's frames held in a reference cycle (an exception's traceback
+    keeps them, say) are freed by the garbage collector without crashing.
+
+    A frame made from a PickleBuffer of a memoryview crashed the process
+    there (SIGSEGV, cpython#77894, fixed only in 3.12.7): a CI run died of
+    it when a worker left mid-shuffle.  Every frame's exporter must be an
+    Arrow buffer or a numpy array.
+    """
+    import subprocess
+    import sys
+
+    strings = _arrow_column("string[pyarrow]", 5_000)
+    stamps = pd.date_range("2001-01-01", periods=5_000, freq="min").to_numpy()
+    _, frames = PandasBackend().serialize(PandasTable([strings[13:4_001], stamps[7:4_000]], None))
+    exporters = [type(memoryview(f).obj).__name__ for f in frames[1:]]
+    assert "memoryview" not in exporters, exporters
+    proc = subprocess.run(
+        [sys.executable, "-c", _COLLECT_FRAMES_IN_CYCLES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_no_core_dump,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+
+
 def test_datetimes_nested_in_object_columns_keep_their_shape():
     from gpushuffle.backends import arrow
 

@@ -26,13 +26,20 @@ pickling.
 
 numpy pickles datetime64 and timedelta64 arrays in band (a copy into the
 pickle, and another out of it): they go as an int64 view instead.
+
+Every ``PickleBuffer`` here wraps an Arrow buffer or a numpy array, never a
+``memoryview``: CPython before 3.12.7 crashes (SIGSEGV) when the garbage
+collector breaks a reference cycle holding a memoryview that a
+``PickleBuffer``, or a memoryview made from one (the frames that
+``PickleBuffer.raw()`` gives), still exports (cpython#77894, #122306).
+Frames end up in such cycles whenever an exception's traceback holds them.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -65,8 +72,14 @@ def _cuttable(type: pa.DataType) -> bool:
     return type in _OFFSET_TYPES or _fixed_width(type) is not None
 
 
+def _out_of_band(array: np.ndarray) -> pickle.PickleBuffer:
+    # numpy's stubs do not declare the buffer protocol numpy implements.
+    return pickle.PickleBuffer(cast(Any, array))
+
+
 def _view(buffer: pa.Buffer, start: int, stop: int) -> pickle.PickleBuffer:
-    return pickle.PickleBuffer(memoryview(buffer)[start:stop])
+    # Never a PickleBuffer of a memoryview: see the module's docstring.
+    return pickle.PickleBuffer(buffer.slice(start, stop - start))
 
 
 def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
@@ -89,7 +102,7 @@ def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
         if base:
             offsets = offsets - offsets.dtype.type(base)
             copies.count("serialize", offsets.nbytes)
-        values = pickle.PickleBuffer(offsets.data)
+        values = _out_of_band(offsets)
         data_view = _view(data if data is not None else pa.py_buffer(b""), base, end)
     else:
         itemsize = _fixed_width(array.type)
@@ -166,7 +179,7 @@ class OutOfBandPickler(pickle.Pickler):
             # numpy pickles datetime64 and timedelta64 arrays in band (their
             # dtype carries a unit): send their int64 view out of band.
             if obj.dtype.kind in "mM" and obj.ndim == 1 and obj.flags.c_contiguous:
-                return (_datetimes, (pickle.PickleBuffer(obj.view(np.int64).data), obj.dtype.str))
+                return (_datetimes, (_out_of_band(obj.view(np.int64)), obj.dtype.str))
             return NotImplemented
         if not isinstance(obj, ArrowExtensionArray):
             return NotImplemented

@@ -15,6 +15,7 @@ and ``dask/dataframe/multi.py`` (``merge_chunk``), also identical in both.
 from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
+from dask.dataframe.dask_expr._expr import Fused
 from dask.dataframe.dask_expr._merge import (
     BlockwiseMerge,
     BroadcastJoin,
@@ -22,6 +23,7 @@ from dask.dataframe.dask_expr._merge import (
     Merge,
 )
 from dask.dataframe.dask_expr._shuffle import (
+    AssignPartitioningIndex,
     RearrangeByColumn,
     Shuffle,
     SimpleShuffle,
@@ -74,8 +76,10 @@ def known_run(
 
 
 __all__ = [
+    "AssignPartitioningIndex",
     "BlockwiseMerge",
     "BroadcastJoin",
+    "Fused",
     "HashJoinP2P",
     "Merge",
     "P2PBarrierTask",

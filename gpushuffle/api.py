@@ -24,8 +24,10 @@ from typing import Any
 
 from gpushuffle import config
 from gpushuffle._distributed import (
+    AssignPartitioningIndex,
     BlockwiseMerge,
     BroadcastJoin,
+    Fused,
     HashJoinP2P,
     Merge,
     P2PBarrierTask,
@@ -79,16 +81,18 @@ class GPUShuffle(SimpleShuffle):
 
         dsk: dict = {}
         transfers = []
+        fuse_input = _own_partitioning(self.frame)
         for i in range(self.frame.npartitions):
-            t = Task(
-                (f"gpushuffle-transfer-{token}", i),
-                transfer,
-                TaskRef((self.frame._name, i)),
-                token,
-                i,
-            )
-            dsk[t.key] = t
-            transfers.append(t.ref())
+            input_key = (self.frame._name, i)
+            t = Task((f"gpushuffle-transfer-{token}", i), transfer, TaskRef(input_key), token, i)
+            # The partitioning index computed inside the transfer task: one
+            # task less per input partition, and no intermediate frame kept
+            # in worker memory (and measured by sizeof) until the transfer
+            # runs.  (The scheduler then never creates the index's own tasks:
+            # no requested key depends on them.)
+            node = Task.fuse(self.frame._task(input_key, i), t, key=t.key) if fuse_input else t
+            dsk[node.key] = node
+            transfers.append(TaskRef(node.key))
 
         barrier = P2PBarrierTask(
             barrier_key(shuffle_id),
@@ -110,6 +114,21 @@ class GPUShuffle(SimpleShuffle):
             t = Task((self._name, i), unpack, token, part_out, barrier.ref())
             dsk[t.key] = t
         return dsk
+
+
+def _own_partitioning(frame: Any) -> bool:
+    """Whether ``frame`` is the partitioning-index expression dask's lowering
+    made for this shuffle alone (possibly fused with the blockwise steps
+    before it), so that its tasks can run inside the transfer tasks.
+
+    dask fuses a blockwise expression into its consumer only when that is
+    its single dependent, and ``AssignPartitioningIndex`` is created by the
+    shuffle's lowering: nothing else computes it, so nothing is computed
+    twice.
+    """
+    if isinstance(frame, Fused):
+        frame = frame.exprs[0]
+    return isinstance(frame, AssignPartitioningIndex)
 
 
 def takes_gpushuffle(method: str, meta: Any) -> bool:

@@ -7,6 +7,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.utils import key_split
 from truth import (
     assert_meta_dtypes,
     assert_same_partitions,
@@ -249,6 +250,39 @@ def test_task_names(client):
     assert any("gpushuffle-transfer-" in k for k in keys)
     assert any("gpushuffle-unpack-" in k for k in keys)
     assert any(k.startswith("shuffle-barrier-") for k in keys)
+
+
+@pytest.mark.parametrize("upstream", ["none", "blockwise"])
+def test_partitioning_index_is_computed_inside_the_transfer_tasks(client, upstream):
+    """dask's partitioning-index step runs in the transfer task, not as a
+    task of its own per input partition (with many small partitions the task
+    is the cost); where dask fused blockwise steps into it (``persist`` and
+    ``optimize`` fuse), those run in the transfer task too."""
+    from distributed import get_task_stream
+
+    source = make_frame(3000, seed=4)
+    df = dd.from_pandas(source, npartitions=6)
+    if upstream == "blockwise":
+        df = df[df.f > 0.25].assign(g=lambda d: d.f * 2)
+        source = source[source.f > 0.25].assign(g=lambda d: d.f * 2)
+    ours = df.shuffle("key", npartitions=4, shuffle_method="gpushuffle")
+    truth = df.shuffle("key", npartitions=4, shuffle_method="tasks")
+    with get_task_stream(client) as stream:
+        ours.compute()
+    ran = {key_split(t["key"]) for t in stream.data}
+    assert {"gpushuffle-transfer", "gpushuffle-unpack", "shuffle-barrier"} <= ran
+    # AssignPartitioningIndex's tasks are called "operation".
+    assert not any("operation" in k for k in ran), ran
+    check(ours, truth, source)
+
+    # The fused graph (what persist computes): transfers read the input itself.
+    graph = dict(ours.optimize().__dask_graph__())
+    transfers = [k for k in graph if key_split(k) == "gpushuffle-transfer"]
+    assert len(transfers) == 6
+    for key in transfers:
+        deps = {key_split(d) for d in graph[key].dependencies}
+        assert deps == {"frompandas"}, deps
+    check(ours.persist(), truth, source)
 
 
 def test_unsupported_frame_type_fails_at_graph_construction():

@@ -14,8 +14,10 @@ if [ "$rc" -ge 128 ]; then
     # faulthandler names the thread that crashed "Current thread".
     grep -n -A 40 "^Current thread" "$log" || echo "(no faulthandler 'Current thread' section)"
     if command -v gdb >/dev/null; then
+        # The command's interpreter: the cores are of it or of worker
+        # processes it spawned.
+        exe=$(readlink -f "$(command -v "$1")")
         find . -maxdepth 3 -name 'core*' -type f -newermt "@$before" 2>/dev/null | while read -r core; do
-            exe=$(readlink -f .venv/bin/python)
             echo "=== gdb backtrace of $core ==="
             # The core's current thread is the one that crashed: it first, whole.
             gdb -batch -q -ex "bt 40" -ex "thread apply all bt 6" "$exe" "$core" 2>/dev/null \

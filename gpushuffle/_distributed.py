@@ -31,6 +31,7 @@ from dask.dataframe.dask_expr._shuffle import (
     _is_numeric_cast_type,
     _select_columns_or_index,
 )
+from dask.dataframe.dask_expr.io.io import FromGraph
 from dask.dataframe.multi import merge_chunk
 from dask.dataframe.shuffle import partitioning_index
 from dask.tokenize import _tokenize_deterministic
@@ -79,6 +80,7 @@ __all__ = [
     "AssignPartitioningIndex",
     "BlockwiseMerge",
     "BroadcastJoin",
+    "FromGraph",
     "Fused",
     "HashJoinP2P",
     "Merge",

@@ -27,6 +27,7 @@ from gpushuffle._distributed import (
     AssignPartitioningIndex,
     BlockwiseMerge,
     BroadcastJoin,
+    FromGraph,
     Fused,
     HashJoinP2P,
     Merge,
@@ -107,6 +108,7 @@ class GPUShuffle(SimpleShuffle):
                 meta=frame_meta,
                 parts_out=tuple(parts_out) if self._filtered else self.npartitions_out,
                 ignore_index=bool(self.ignore_index),
+                borrow_inputs=_persisted_input(self.frame),
             ),
         )
         dsk[barrier.key] = barrier
@@ -129,6 +131,19 @@ def _own_partitioning(frame: Any) -> bool:
     if isinstance(frame, Fused):
         frame = frame.exprs[0]
     return isinstance(frame, AssignPartitioningIndex)
+
+
+def _persisted_input(frame: Any) -> bool:
+    """Whether the transfer tasks get persisted data, or columns added to it.
+
+    Persisted partitions stay in worker memory for as long as the client
+    holds them, which a running computation's graph does: rows kept on
+    their own worker can stay in them.  Anything computed on the way (a
+    filter, a projection) gives frames of their own, which are copied.
+    """
+    if isinstance(frame, AssignPartitioningIndex):
+        frame = frame.frame
+    return isinstance(frame, FromGraph)
 
 
 def takes_gpushuffle(method: str, meta: Any) -> bool:
@@ -220,6 +235,7 @@ class GPUHashJoin(HashJoinP2P):
                 # pandas gives a join on columns a fresh RangeIndex: then the
                 # sides' indexes need not travel.
                 ignore_index=not self._keeps_index,
+                borrow_inputs=_persisted_input(frame),
             ),
         )
         dsk[barrier.key] = barrier

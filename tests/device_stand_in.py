@@ -51,6 +51,7 @@ class StandInTable:
 class DeviceStandInBackend(PandasBackend):
     name = NAME
     tier = "device"
+    borrows = False  # as cuDF: device tables are copied by the split
 
     def split(self, frame, column, rank, nranks, keep_index):  # type: ignore[no-untyped-def]
         table, offsets = super().split(frame, column, rank, nranks, keep_index)

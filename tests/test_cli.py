@@ -639,14 +639,17 @@ def test_bench_plot_writes_a_png(tmp_path):
         # The index travels as int64 (RangeIndex partitions take a few bytes).
         range_index = pd.RangeIndex(5_000).memory_usage(deep=True)
         expected = run["input_bytes"] - 4 * range_index + 8 * 20_000
-        assert copied["split"] == copied["unpack"] == expected
+        # The bench persists its input: rows staying on their worker are not
+        # copied by the split (only those sent are), and are gathered
+        # straight from the input into the output.
+        assert copied["unpack"] == expected
         assert copied["send"] == copied["receive"] > 0
+        assert 0 < copied["split"] < 0.75 * expected
+        assert copied["split"] <= copied["send"] <= 1.05 * copied["split"]
         assert run["copies_per_byte"] == pytest.approx(sum(copied.values()) / run["input_bytes"])
     assert all(r["copied_bytes"] == {} and r["copies_per_byte"] is None
                for r in records if r["method"] == "tasks")  # fmt: skip
-    assert (
-        "gpushuffle bytes copied per byte shuffled, by stage: split 1.25, serialize 0.0" in r.stdout
-    )
+    assert "gpushuffle bytes copied per byte shuffled, by stage: split 0.6" in r.stdout
 
 
 def test_plot_from_results(tmp_path):

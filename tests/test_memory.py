@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_nothing_left_behind
 from distributed import Client, LocalCluster, wait
 from test_shuffle import check
+from truth import checksum
 
 import gpushuffle
 
@@ -211,7 +212,11 @@ def test_peak_rss_is_bounded_by_the_budget():
     pdf = pd.DataFrame({"key": rng.integers(0, 10**6, n), "a": rng.random(n), "b": rng.random(n)})
     from gpushuffle.bench import _start_sampler, _stop_sampler
 
-    with cluster_with({"gpushuffle.memory.host-pool.limit": 0}) as client:
+    # Rows borrowed from the persisted input take no memory whatever
+    # the budget: copy them, so that the store holds every row.
+    with cluster_with(
+        {"gpushuffle.memory.host-pool.limit": 0, "gpushuffle.memory.borrow-inputs": False}
+    ) as client:
         df = dd.from_pandas(pdf, npartitions=16, sort=False).persist()
         wait(df)
 
@@ -446,4 +451,79 @@ def test_shards_cut_into_small_messages_keep_every_row_in_order():
         )
         for part in parts:
             assert part["row"].is_monotonic_increasing
+        assert_nothing_left_behind(client)
+
+
+def _split_bytes(client) -> int:
+    return int(gpushuffle.statistics(client)["copied_split_bytes"].sum())
+
+
+def _set_borrow(value, dask_worker=None) -> None:
+    dask.config.set({"gpushuffle.memory.borrow-inputs": value})
+
+
+def test_rows_kept_on_their_worker_stay_in_a_persisted_input():
+    """With a persisted input, the rows a worker keeps are not copied (only
+    those sent are); an input computed on the way is copied whole; every
+    result equals the tasks method's, and nothing is left behind."""
+    pdf = big_frame(200_000)
+    with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
+        persisted = dd.from_pandas(pdf, npartitions=8, sort=False).persist()
+        wait(persisted)
+        computed = dd.from_pandas(pdf, npartitions=8, sort=False)
+        split = {}
+        for name, df, borrow in [
+            ("copied", persisted, False),
+            ("borrowed", persisted, True),
+            ("computed", computed, True),
+        ]:
+            client.run(_set_borrow, borrow)
+            before = _split_bytes(client)
+            check(
+                df.shuffle("key", npartitions=6, shuffle_method="gpushuffle"),
+                df.shuffle("key", npartitions=6, shuffle_method="tasks"),
+                pdf,
+            )
+            split[name] = _split_bytes(client) - before
+        # Two workers: about half the rows stay on their worker.
+        assert 0.3 * split["copied"] < split["borrowed"] < 0.7 * split["copied"], split
+        assert split["computed"] == split["copied"], split
+        assert_nothing_left_behind(client)
+
+
+def test_join_of_persisted_sides_borrows_and_matches_pandas():
+    rng = np.random.default_rng(8)
+    left = pd.DataFrame(
+        {
+            "k": rng.integers(0, 5_000, 60_000),
+            "a": rng.random(60_000),
+            "s": pd.array([f"l{i % 977}" for i in range(60_000)], dtype="str"),
+        }
+    )
+    right = pd.DataFrame(
+        {
+            "k": np.arange(5_000),
+            "b": rng.integers(0, 10**6, 5_000),
+            "t": [f"r{i}" for i in range(5_000)],
+        }
+    )
+    with cluster_with({"gpushuffle.memory.host-limit": "256 KiB"}) as client:
+        lhs = dd.from_pandas(left, npartitions=6, sort=False).persist()
+        rhs = dd.from_pandas(right, npartitions=4, sort=False).persist()
+        wait([lhs, rhs])
+        for how in ("inner", "left", "outer"):
+            before = _split_bytes(client)
+            ours = lhs.merge(rhs, on="k", how=how, shuffle_method="gpushuffle", broadcast=False)
+            assert any("gpushuffle-join" in str(k) for k in ours.dask)
+            result = ours.compute()
+            truth = left.merge(right, on="k", how=how)
+            assert len(result) == len(truth)
+            assert checksum(result, index=False) == checksum(
+                truth[list(result.columns)], index=False
+            )
+            copied = _split_bytes(client) - before
+            sent_or_kept = (
+                left.memory_usage(deep=False).sum() + right.memory_usage(deep=False).sum()
+            )
+            assert copied < 0.8 * sent_or_kept, (copied, sent_or_kept)
         assert_nothing_left_behind(client)

@@ -353,3 +353,68 @@ def test_close_while_waiting_for_memory_is_not_a_memory_error(tmp_path):
         asyncio.run(put_then_close())
     memory.release("host", ROWS * 8)
     assert_nothing_charged(memory)
+
+
+def _borrowed_shard(frame: pd.DataFrame, nparts: int, input_partition: int = 0):
+    """The local shard of ``frame`` (every output partition local), split by
+    ``pid`` with the local group borrowed when the caller holds ``frame``."""
+    backend = PandasBackend()
+    rank = np.arange(nparts, dtype=np.int16)
+    tables, offsets = backend.split_groups(
+        frame, "pid", rank, nparts, True, [(0, nparts)], borrow=0
+    )
+    table = tables[0]
+    return Shard(
+        backend=backend.name,
+        input_partition=input_partition,
+        partitions=np.arange(nparts),
+        offsets=offsets,
+        table=table,
+        nbytes=backend.nbytes(table),
+    )
+
+
+def _input_frame(n: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "x": rng.integers(0, 10**9, n),
+            "s": pd.array([f"v{i}-{seed}" for i in range(n)], dtype="str"),
+            "pid": rng.integers(0, 4, n).astype(np.int16),
+        },
+        index=pd.Index(rng.permutation(n) + seed * n, name="i"),
+    )
+
+
+def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill(tmp_path):
+    """Rows left in an input the caller holds are charged nothing; once the
+    caller lets go, the next put charges what they keep alive and spills
+    them (copied out of the input), and every row reads back as it was."""
+    from gpushuffle.backends.pandas import BorrowedRows
+
+    backend = PandasBackend()
+    memory = make_memory(host=4096)
+    store = store_for(backend, memory, tmp_path)
+    held = _input_frame(5_000, seed=1)
+    expected = {p: held[held.pid == p].drop(columns="pid") for p in range(4)}
+    shard = _borrowed_shard(held.copy(deep=False), 4)
+    assert isinstance(shard.table, BorrowedRows)
+    asyncio.run(store.put(shard))
+    assert memory.host.bytes < 1024  # the index is counted; the rows are not
+    assert store.statistics.bytes_borrowed == shard.nbytes
+    assert memory.moves.get(("host", "disk")) is None
+
+    # The caller lets go: only the store keeps the input alive now.
+    del held, shard
+    other = _input_frame(50, seed=2)
+    asyncio.run(store.put(_borrowed_shard(other, 4, input_partition=1)))
+    moved = memory.moves[("host", "disk")]
+    assert moved.bytes > 5_000 * 8  # the borrowed rows, copied out and written
+    assert memory.host.bytes <= 4096
+    for p in range(4):
+        nrows, pieces = store.read(p)
+        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
+        truth = pd.concat([expected[p], other[other.pid == p].drop(columns="pid")])
+        pd.testing.assert_frame_equal(out, truth)
+    assert memory.host.bytes == 0 and memory.disk.bytes == 0
+    store.close()

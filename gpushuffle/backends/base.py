@@ -80,6 +80,8 @@ class TableBackend(abc.ABC):
     #: Where this backend's tables live: "host" or "device".  Received
     #: shards are charged to that tier of the store.
     tier: ClassVar[str] = "host"
+    #: Whether :meth:`split_groups` takes ``borrow`` (rows left in their input).
+    borrows: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -134,6 +136,7 @@ class TableBackend(abc.ABC):
         nranks: int,
         keep_index: bool,
         groups: Sequence[tuple[int, int]],
+        borrow: int | None = None,
     ) -> tuple[list[Any], np.ndarray]:
         """:meth:`split`, with each group of ranks in buffers of its own.
 
@@ -145,6 +148,11 @@ class TableBackend(abc.ABC):
         the one kept locally lives on in the store.  This default slices one
         :meth:`split` table (views that keep all of it alive); backends
         override it where they can do better.
+
+        ``borrow`` (given only to backends whose :attr:`borrows` is true) names
+        the group that stays on this worker: the backend may
+        return it as rows borrowed from ``frame`` instead of a copy, when
+        the worker holds ``frame`` anyway (see :meth:`unshared_bytes`).
         """
         table, offsets = self.split(frame, column, rank, nranks, keep_index)
         tables = [self.slice(table, int(offsets[a]), int(offsets[b])) for a, b in groups]
@@ -186,6 +194,17 @@ class TableBackend(abc.ABC):
     @abc.abstractmethod
     def nbytes(self, table: Any) -> int:
         """Bytes the table's buffers occupy."""
+
+    def unshared_bytes(self, table: Any) -> int | None:
+        """For a table of rows borrowed from an input partition: the bytes of
+        that input which nothing but the table keeps alive now (0 while the
+        worker holds the input).  ``None`` for a table that owns its buffers.
+        """
+        return None
+
+    def materialize(self, table: Any) -> Any:
+        """A table that owns its buffers: borrowed rows copied out of their input."""
+        return table
 
     @abc.abstractmethod
     def nrows(self, table: Any) -> int:

@@ -10,6 +10,15 @@ columns are allocated once, in one pooled block, and each piece is copied
 in and released before the next; a DataFrame is built around those arrays
 without consolidating them into 2-d blocks (that would copy every byte a
 second time).
+
+The rows an input partition keeps on its own worker need not be copied at
+all when the worker holds that partition anyway (a persisted frame, or one
+that other tasks still need): the split then *borrows* them
+(:class:`BorrowedRows`, the input and the rows' positions) and the unpack
+gathers them straight into the output.  Whether the worker still holds the
+input is read from pandas' copy-on-write references
+(:meth:`PandasBackend.unshared_bytes`): once it lets go, the store charges
+what the borrowed rows keep alive, and may spill them (copied out then).
 """
 
 from __future__ import annotations
@@ -54,6 +63,58 @@ def _nbytes(table: PandasTable) -> int:
     if table.index is not None:
         total += int(table.index.nbytes)
     return total
+
+
+@dataclass(eq=False)
+class _Source:
+    """An input partition whose rows are borrowed, and its columns.
+
+    ``frame`` is a shallow copy of the input made for the store: its blocks
+    register with pandas' copy-on-write references, so another live frame
+    sharing them (the worker's own copy of the input) is visible there.
+    """
+
+    frame: pd.DataFrame
+    values: list[Any]
+    index: pd.Index | None
+    names: tuple[Any, ...]
+    nrows: int
+    row_bytes: float
+
+    def unshared_bytes(self) -> int:
+        """Bytes of the input that nothing but the store keeps alive now."""
+        total = 0
+        for block in self.frame._mgr.blocks:
+            refs = getattr(block, "refs", None)
+            if refs is None or not refs.has_reference():
+                total += int(block.values.nbytes)
+        index = self.index
+        if index is not None and not isinstance(index, pd.RangeIndex):
+            refs = getattr(index, "_references", None)
+            if refs is None or not refs.has_reference():
+                total += int(index.nbytes)
+        return total
+
+
+@dataclass(slots=True, eq=False)
+class BorrowedRows:
+    """Rows of an input partition by position, not copied (see the module docstring)."""
+
+    source: _Source
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self)
+
+
+def _borrowable(frame: pd.DataFrame) -> bool:
+    """Whether pandas tracks which frames share ``frame``'s blocks (copy-on-write)."""
+    return all(getattr(b, "refs", None) is not None for b in frame._mgr.blocks) and (
+        int(pd.__version__.split(".")[0]) >= 3
+    )
 
 
 def _column_values(frame: pd.DataFrame, i: int) -> Any:
@@ -108,18 +169,14 @@ def _take_rows(
         dtypes.append(index_dtype)
     carved = iter(_carve(pool, len(rows), dtypes, "split"))
     columns: list[Any] = []
-    arrow_rows: pa.Array | None = None
+    arrow_rows: list[pa.Array] = []  # shared by every Arrow column, no copy
     for i, v in enumerate(values):
         if i in poolable:
             # mode="clip" skips the bounds-check copy numpy makes with out=
             # and mode="raise"; ``rows`` are valid positions, none is clipped.
             columns.append(np.take(v, rows, out=next(carved), mode="clip"))
-        elif arrow.is_arrow(v):
-            if arrow_rows is None:
-                arrow_rows = pa.array(rows)  # shared by every Arrow column, no copy
-            columns.append(arrow.take(v, arrow_rows))
         else:
-            columns.append(v.take(rows))
+            columns.append(_take_column(v, rows, arrow_rows))
     if index is None:
         return columns, None
     if index_dtype is None:
@@ -131,6 +188,32 @@ def _take_rows(
     else:
         np.take(index.values, rows, out=out, mode="clip")
     return columns, pd.Index(out, name=index.name, copy=False)
+
+
+def _take_column(values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> Any:
+    """``values.take(rows)`` for valid non-negative ``rows``; ``arrow_rows``
+    caches ``rows`` as an Arrow array for the next Arrow column."""
+    if isinstance(values, np.ndarray):
+        return np.take(values, rows, mode="clip")
+    if arrow.is_arrow(values):
+        if not arrow_rows:
+            arrow_rows.append(pa.array(rows))
+        return arrow.take(values, arrow_rows[0])
+    return values.take(rows)
+
+
+def _index_rows(index: pd.Index, rows: np.ndarray) -> pd.Index:
+    if isinstance(index, pd.RangeIndex):
+        return pd.Index(rows * index.step + index.start, name=index.name, copy=False)
+    return index.take(rows)
+
+
+def _materialize(table: BorrowedRows) -> PandasTable:
+    """The borrowed rows copied out of their input (before a spill)."""
+    source = table.source
+    columns, index = _take_rows(source.values, source.index, table.rows, host_pool())
+    copies.count("split", _nbytes(PandasTable(columns, index)))
+    return PandasTable(columns, index, source.names)
 
 
 def _concat_numpy(parts: list[np.ndarray], pool: HostBufferPool) -> np.ndarray:
@@ -276,6 +359,20 @@ class _ColumnBuilder:
             self.parts.append(values)
         self.position += n
 
+    def add_taken(self, values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> None:
+        """:meth:`add` ``values.take(rows)``, gathered straight into the output
+        where it can be."""
+        n = len(rows)
+        if self.filling and type(values) is np.ndarray and values.dtype == self.dtype:
+            assert self.out is not None
+            np.take(values, rows, out=self.out[self.position : self.position + n], mode="clip")
+            self.copied += n * values.itemsize
+            self.position += n
+            return
+        taken = _take_column(values, rows, arrow_rows)
+        copies.count("unpack", int(taken.nbytes))
+        self.add(taken)
+
     def add_all(self, values: list[Any]) -> None:
         """:meth:`add` each of ``values``; plain numpy pieces in one copy."""
         if len(values) > 1 and self.filling:
@@ -347,6 +444,7 @@ def _unpicklable(table: PandasTable, error: Exception) -> ShuffleInputError:
 
 class PandasBackend(TableBackend):
     name = "pandas"
+    borrows = True
 
     @classmethod
     def handles(cls, meta: Any) -> bool:
@@ -370,7 +468,7 @@ class PandasBackend(TableBackend):
         keep_index: bool,
     ) -> tuple[PandasTable, np.ndarray]:
         tables, offsets = self.split_groups(frame, column, rank, nranks, keep_index, [(0, nranks)])
-        return tables[0], offsets
+        return self.materialize(tables[0]), offsets
 
     def split_groups(
         self,
@@ -380,7 +478,8 @@ class PandasBackend(TableBackend):
         nranks: int,
         keep_index: bool,
         groups: Sequence[tuple[int, int]],
-    ) -> tuple[list[PandasTable], np.ndarray]:
+        borrow: int | None = None,
+    ) -> tuple[list[PandasTable | BorrowedRows], np.ndarray]:
         keys = rank[frame[column].to_numpy()]
         # Radix sort for <= 16-bit keys: O(n), and stable, which keeps rows of
         # one output partition in their input order.
@@ -395,15 +494,38 @@ class PandasBackend(TableBackend):
         names = tuple(c for i, c in enumerate(frame.columns) if i != position)
         index = frame.index if keep_index else None
         pool = host_pool()
-        tables = []
-        for first, last in groups:
+        source = None
+        if borrow is not None and _borrowable(frame):
+            mine = frame.copy(deep=False)
+            nbytes = _nbytes(PandasTable(values, index))
+            source = _Source(
+                frame=mine,
+                values=[_column_values(mine, i) for i in range(mine.shape[1]) if i != position],
+                index=mine.index if keep_index else None,
+                names=names,
+                nrows=len(frame),
+                row_bytes=nbytes / max(len(frame), 1),
+            )
+        tables: list[PandasTable | BorrowedRows] = []
+        copied = 0
+        for group, (first, last) in enumerate(groups):
+            rows = order[offsets[first] : offsets[last]]
+            if group == borrow and source is not None:
+                tables.append(BorrowedRows(source, rows))
+                continue
             # Each group's numpy columns share one pooled block of their own.
-            columns, taken = _take_rows(values, index, order[offsets[first] : offsets[last]], pool)
-            tables.append(PandasTable(columns, taken, names))
-        copies.count("split", sum(_nbytes(t) for t in tables))
+            columns, taken = _take_rows(values, index, rows, pool)
+            table = PandasTable(columns, taken, names)
+            copied += _nbytes(table)
+            tables.append(table)
+        copies.count("split", copied)
         return tables, offsets
 
-    def slice(self, table: PandasTable, start: int, stop: int) -> PandasTable:
+    def slice(
+        self, table: PandasTable | BorrowedRows, start: int, stop: int
+    ) -> PandasTable | BorrowedRows:
+        if isinstance(table, BorrowedRows):
+            return BorrowedRows(table.source, table.rows[start:stop])
         return PandasTable(
             [c[start:stop] for c in table.columns],
             None if table.index is None else table.index[start:stop],
@@ -455,6 +577,20 @@ class PandasBackend(TableBackend):
             batch_bytes = 0
 
         for table in tables:
+            if isinstance(table, BorrowedRows):
+                flush()
+                source, rows = table.source, table.rows
+                arrow_rows: list[pa.Array] = []
+                for i, builder in enumerate(columns):
+                    builder.add_taken(source.values[i], rows, arrow_rows)
+                if keep_index:
+                    assert source.index is not None
+                    if index_builder is not None:
+                        index_builder.add(_index_rows(source.index, rows).values)
+                    else:
+                        indexes.append(_index_rows(source.index, rows))
+                del table, source, rows
+                continue
             assert not keep_index or table.index is not None
             batch.append(table)
             batch_bytes += _nbytes(table)
@@ -486,15 +622,29 @@ class PandasBackend(TableBackend):
     def empty(self, meta: pd.DataFrame) -> pd.DataFrame:
         return meta.copy()
 
-    def nbytes(self, table: PandasTable) -> int:
+    def nbytes(self, table: PandasTable | BorrowedRows) -> int:
+        if isinstance(table, BorrowedRows):
+            # What a copy of the rows would take (their share of the input).
+            return int(table.source.row_bytes * len(table.rows))
         return _nbytes(table)
+
+    def unshared_bytes(self, table: PandasTable | BorrowedRows) -> int | None:
+        if isinstance(table, BorrowedRows):
+            return table.source.unshared_bytes()
+        return None
+
+    def materialize(self, table: PandasTable | BorrowedRows) -> PandasTable:
+        if isinstance(table, BorrowedRows):
+            return _materialize(table)
+        return table
 
     def nrows(self, table: PandasTable) -> int:
         return len(table)
 
     def serialize(
-        self, table: PandasTable, *, device_frames: bool = False
+        self, table: PandasTable | BorrowedRows, *, device_frames: bool = False
     ) -> tuple[dict[str, Any], list[Any]]:
+        table = self.materialize(table)
         buffers: list[pickle.PickleBuffer] = []
         try:
             # numpy arrays and Arrow buffers go out of band as views; only

@@ -107,6 +107,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
+        self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
         self._inputs_done_started = False
         self._inputs_done_lock = asyncio.Lock()
         self.store = ShardStore(
@@ -254,9 +255,24 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # One table per destination, each in its own buffers: what goes to
         # another worker is freed once sent, whatever the local shard keeps.
         ranges = list(self.rank_range.items())
-        tables, offsets = backend.split_groups(
-            data, self.column, self.rank, self.nranks, self.keep_index, [r for _, r in ranges]
-        )
+        # The local group's rows may stay in the input, which the worker
+        # holds anyway (a persisted frame): no copy, nothing to store.
+        addresses = [address for address, _ in ranges]
+        groups = [r for _, r in ranges]
+        if self.borrow_inputs and backend.borrows and self.local_address in addresses:
+            tables, offsets = backend.split_groups(
+                data,
+                self.column,
+                self.rank,
+                self.nranks,
+                self.keep_index,
+                groups,
+                borrow=addresses.index(self.local_address),
+            )
+        else:
+            tables, offsets = backend.split_groups(
+                data, self.column, self.rank, self.nranks, self.keep_index, groups
+            )
         out: dict[str, Shard] = {}
         for (address, (first, last)), view in zip(ranges, tables, strict=True):
             start, stop = int(offsets[first]), int(offsets[last])

@@ -35,6 +35,11 @@ class GPUShuffleSpec(ShuffleSpec[int]):
         The output partitions wanted: all of them (an ``int``) or a subset.
     ignore_index
         Whether to drop the index instead of carrying it.
+    borrow_inputs
+        Whether the input partitions are persisted data, which workers hold
+        whatever the shuffle does: the rows a worker keeps of its own inputs
+        may then stay in them instead of being copied into its store
+        (``gpushuffle.memory.borrow-inputs``).
     """
 
     npartitions: int
@@ -42,6 +47,7 @@ class GPUShuffleSpec(ShuffleSpec[int]):
     meta: Any
     parts_out: tuple[int, ...] | int
     ignore_index: bool
+    borrow_inputs: bool = False
 
     @property
     def output_partitions(self) -> Generator[int]:

@@ -3,6 +3,13 @@
 Tiers: device memory (cuDF shards), host memory (pandas shards, and device
 shards moved off the GPU), disk (files under the worker's local directory).
 
+A shard of rows *borrowed* from an input partition the worker holds anyway
+(:meth:`~gpushuffle.backends.base.TableBackend.unshared_bytes`) is charged
+only what it alone keeps alive: nothing while the worker holds the input.
+Before each put makes room, such groups are charged anew, so an input the
+worker let go of counts against the budget (and is spilled like any other
+group: its rows copied out, then written).
+
 What is stored are *pieces*: the rows of one output partition that came from
 one input partition.  A received shard is not copied into pieces; its pieces
 are views of its buffers (a shard's columns arrive as one buffer each, and on
@@ -64,6 +71,10 @@ class _Group:
     pieces: list[_Piece] = field(default_factory=list)
     live: int = 0
     key: int = -1
+    #: A table of borrowed rows covering the group (None: the group owns its buffers).
+    borrowed: Any = None
+    #: For borrowed rows: the bytes a copy of them takes.
+    copy_nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -85,6 +96,8 @@ class StoreStatistics:
 
     bytes_in: int = 0
     shards_in: int = 0
+    #: Of ``bytes_in``: rows left in input partitions the worker held (not copied).
+    bytes_borrowed: int = 0
     partitions_read: int = 0
     device_bytes: int = 0
     host_bytes: int = 0
@@ -139,6 +152,7 @@ class ShardStore:
         self._describe = describe
         self._pieces: dict[int, list[_Piece]] = {}
         self._groups: dict[int, _Group] = {}  # insertion order is age
+        self._borrowed: dict[int, _Group] = {}  # the groups of borrowed rows
         self._next_group = 0
         self._lock = threading.Lock()  # accounting, shared with unpack threads
         self._evicting = asyncio.Lock()
@@ -158,7 +172,13 @@ class ShardStore:
         if not total_rows:
             return
         tier = self._backend.tier
-        group = _Group(tier=tier, nbytes=shard.nbytes)
+        unshared = self._backend.unshared_bytes(shard.table)
+        group = _Group(
+            tier=tier,
+            nbytes=shard.nbytes if unshared is None else unshared,
+            borrowed=None if unshared is None else shard.table,
+            copy_nbytes=shard.nbytes,
+        )
         # Only the partitions with rows: with many output partitions most of
         # a small shard's are empty, and this runs on the event loop.
         offsets = np.asarray(shard.offsets)
@@ -184,17 +204,20 @@ class ShardStore:
         # One shard at a time: a receiver waits here while an earlier one
         # makes room, so the store holds at most its budget plus one shard
         # (and senders wait for the reply: back-pressure).
-        self._memory.wait(shard.nbytes)
+        self._memory.wait(group.nbytes)
         try:
             await self._evicting.acquire()
         finally:
-            self._memory.wait(-shard.nbytes)
+            self._memory.wait(-group.nbytes)
         try:
             with self._lock:
                 # A closed store (its run failed or was restarted after a
                 # worker left) must not take bytes that nobody will release.
                 self._raise_if_closed()
                 self._add_group(group)
+                if group.borrowed is not None:
+                    self._borrowed[group.key] = group
+                    self.statistics.bytes_borrowed += shard.nbytes
                 self._charge(tier, group.nbytes)
                 self.statistics.bytes_in += shard.nbytes
                 self.statistics.shards_in += 1
@@ -205,6 +228,7 @@ class ShardStore:
             self._evicting.release()
 
     async def _make_room(self) -> None:
+        self._recharge_borrowed()
         for tier in (DEVICE, HOST):
             while self._memory.tier(tier).over > 0:
                 group = self._oldest_movable(tier)
@@ -213,10 +237,24 @@ class ShardStore:
                 await self._move_down(group)
         await self._wait_until_within(HOST)
 
+    def _recharge_borrowed(self) -> None:
+        """Charge groups of borrowed rows for what of their input the worker let go of."""
+        with self._lock:
+            for group in self._borrowed.values():
+                unshared = self._backend.unshared_bytes(group.borrowed) or 0
+                if unshared > group.nbytes:
+                    self._charge(group.tier, unshared - group.nbytes)
+                    group.nbytes = unshared
+
     def _oldest_movable(self, tier: str) -> _Group | None:
         if tier == HOST and not self._memory.disk_enabled:
             return None
         for group in self._groups.values():
+            # Moving borrowed rows copies them out of their input to free what
+            # the input holds beyond the worker's own copy: worth it once that
+            # is as much as the copy (the worker let go of the input).
+            if group.borrowed is not None and group.nbytes < max(group.copy_nbytes, 1):
+                continue
             if group.tier == tier and any(p.group is group and not p.reading for p in group.pieces):
                 return group
         return None
@@ -435,7 +473,9 @@ class ShardStore:
         if group.live == 0:
             self._charge(group.tier, -group.nbytes)
             self._groups.pop(group.key, None)
+            self._borrowed.pop(group.key, None)
             group.pieces.clear()
+            group.borrowed = None
 
     def close(self) -> None:
         """Release every piece and its accounting; delete spill files.
@@ -454,7 +494,9 @@ class ShardStore:
             self._closed = True
             for group in self._groups.values():
                 group.pieces.clear()
+                group.borrowed = None
             self._groups.clear()
+            self._borrowed.clear()
             self._pieces.clear()
         host_pool().unhold(unpacked=self._unpacking)
         shutil.rmtree(self._directory, ignore_errors=True)

@@ -366,6 +366,60 @@ def test_malloc_reuse_only_lifts_a_nanny_trim_threshold(monkeypatch):
     assert calls == [(-3, 32 << 20), (-1, 64 << 20), (-1, 65536), (-3, 128 << 10)]
 
 
+_ARENA_SCRIPT = """
+import concurrent.futures, ctypes, sys, psutil
+from gpushuffle.engine.pool import HostBufferPool
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+pool = HostBufferPool(limit=0, idle_release=0, malloc_reuse=True)
+executor = concurrent.futures.ThreadPoolExecutor(1)
+if sys.argv[1] == "watched":
+    pool.malloc.watch(executor)
+pool.hold()
+
+def allocate_and_free():
+    # 30 MiB from the top of the thread's own arena (under the raised mmap
+    # threshold), written, and freed back into that top.
+    p = libc.malloc(30 << 20)
+    libc.memset(p, 1, 30 << 20)
+    libc.free(p)
+
+executor.submit(allocate_and_free).result()
+before = psutil.Process().memory_info().rss
+pool.unhold()  # no grace period: malloc's settings come back now, and it is trimmed
+print((before - psutil.Process().memory_info().rss) >> 20)
+"""
+
+
+def test_restoring_malloc_trims_the_arenas_of_idle_task_threads():
+    """What a task thread freed while the trim threshold was raised sits at
+    the top of its own malloc arena, which malloc_trim does not shrink (the
+    last CI run kept 65 MiB of it on a worker five seconds after a shuffle).
+    """
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536"}
+    returned = {
+        how: int(
+            subprocess.run(
+                [sys.executable, "-c", _ARENA_SCRIPT, how],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        for how in ("watched", "unwatched")
+    }
+    assert returned["watched"] >= 25, returned
+    assert returned["unwatched"] < 5, returned  # malloc_trim alone: what the pokes are for
+
+
 def test_footprint_returns_after_the_shuffle():
     """Distributed issue 8015: memory must come back once outputs are released."""
     n = 2_000_000

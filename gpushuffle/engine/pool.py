@@ -27,6 +27,7 @@ each other closely still reuse the blocks.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import contextlib
 import ctypes
 import mmap
@@ -111,6 +112,31 @@ _REUSE_MMAP_THRESHOLD = 32 << 20
 _REUSE_TRIM_THRESHOLD = 64 << 20
 #: glibc's mmap threshold when the adaptive one is off.
 _DEFAULT_MMAP_THRESHOLD = 128 << 10
+#: A request no free chunk of a thread's arena is likely to serve, under the
+#: raised mmap threshold: it comes from the arena's top (see _trim_arena).
+_ARENA_POKE = _REUSE_MMAP_THRESHOLD - (1 << 20)
+#: How long each thread of an executor waits for the others to take a poke.
+_POKE_WAIT = 0.1
+
+
+def _trim_arena(barrier: threading.Barrier) -> None:
+    """Give the free top of this thread's malloc arena back to the OS.
+
+    ``malloc_trim`` releases the free chunks of every arena but trims the top
+    of the main arena only; a thread arena's top shrinks only when a free
+    in that thread merges into it and the top exceeds ``M_TRIM_THRESHOLD``.
+    A task thread that went idle after a shuffle, while the threshold was
+    raised, would keep up to that much for good.  Allocating from the top
+    and freeing it again, once the Nanny's threshold is back, is such a free.
+    ``barrier`` makes each thread of an executor take one poke.
+    """
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(_ARENA_POKE))
 
 
 class MallocReuse:
@@ -126,7 +152,8 @@ class MallocReuse:
     shuffles run, the thresholds are raised; :meth:`restore` puts the
     Nanny's back and trims, so memory still leaves once shuffles stop.
     Workers without that variable keep glibc's adaptive thresholds and are
-    left alone.
+    left alone.  The threads of executors given to :meth:`watch` (task threads,
+    which allocate in malloc arenas of their own) trim their arenas then.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -146,26 +173,55 @@ class MallocReuse:
                 else _DEFAULT_MMAP_THRESHOLD,
             )
         self.reusing = False
+        self._lock = threading.Lock()
+        self._executors: weakref.WeakSet[concurrent.futures.Executor] = weakref.WeakSet()
+
+    def watch(self, executor: concurrent.futures.Executor) -> None:
+        """Have ``executor``'s threads trim their malloc arenas at :meth:`restore`."""
+        if self._mallopt is not None:
+            self._executors.add(executor)
 
     def reuse(self) -> bool:
         """Raise the thresholds; True if this changed them."""
-        if self._mallopt is None or self.reusing:
-            return False
-        self._mallopt(_M_MMAP_THRESHOLD, _REUSE_MMAP_THRESHOLD)
-        self._mallopt(_M_TRIM_THRESHOLD, _REUSE_TRIM_THRESHOLD)
-        self.reusing = True
-        return True
+        with self._lock:
+            if self._mallopt is None or self.reusing:
+                return False
+            self._mallopt(_M_MMAP_THRESHOLD, _REUSE_MMAP_THRESHOLD)
+            self._mallopt(_M_TRIM_THRESHOLD, _REUSE_TRIM_THRESHOLD)
+            self.reusing = True
+            return True
 
     def restore(self) -> bool:
         """Put the Nanny's thresholds back; True if this changed them (the
-        caller then trims what the heaps kept)."""
-        if self._mallopt is None or not self.reusing or self._restore_to is None:
-            return False
-        trim, mmap_threshold = self._restore_to
-        self._mallopt(_M_TRIM_THRESHOLD, trim)
-        self._mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
-        self.reusing = False
-        return True
+        caller then trims what the heaps kept).
+
+        Takes up to a few tenths of a second (the watched threads' pokes):
+        call it outside locks that shuffles' threads take.
+        """
+        with self._lock:
+            if self._mallopt is None or not self.reusing or self._restore_to is None:
+                return False
+            trim, mmap_threshold = self._restore_to
+            self._mallopt(_M_TRIM_THRESHOLD, trim)
+            # Before the mmap threshold comes down: the pokes' requests must
+            # come from the arenas.  A thread busy with a task past the wait
+            # frees memory of its own under the lowered trim threshold.
+            self._trim_thread_arenas()
+            self._mallopt(_M_MMAP_THRESHOLD, mmap_threshold)
+            self.reusing = False
+            return True
+
+    def _trim_thread_arenas(self) -> None:
+        futures: list[concurrent.futures.Future[None]] = []
+        for executor in list(self._executors):
+            # Threads are started on demand: only started ones have arenas.
+            nthreads = max(1, len(getattr(executor, "_threads", ())))
+            barrier = threading.Barrier(nthreads, timeout=_POKE_WAIT)
+            try:
+                futures.extend(executor.submit(_trim_arena, barrier) for _ in range(nthreads))
+            except RuntimeError:  # shut down
+                continue
+        concurrent.futures.wait(futures, timeout=3 * _POKE_WAIT)
 
 
 @dataclass
@@ -311,8 +367,10 @@ class HostBufferPool:
             trim = released > 0 or (quiet and not self._idle_released)
             if quiet:
                 self._idle_released = True
-                # The heaps kept what was freed while shuffles ran, pooled or not.
-                trim = self._restore_malloc() or trim
+        # The heaps kept what was freed while shuffles ran, pooled or not.
+        # (Outside the lock: restoring waits for other threads.)
+        if quiet and self._restore_malloc():
+            trim = True
         if trim:
             # Memory the C allocator holds (received messages, pickles,
             # pandas internals) goes back too.
@@ -375,10 +433,8 @@ class HostBufferPool:
             if unpacked:
                 self._activity.unpacking = max(0, self._activity.unpacking - 1)
             self._activity.since = time.monotonic()
-            restored = (
-                self.idle_release <= 0 and not self._activity.active and self._restore_malloc()
-            )
-        if restored:
+            restore = self.idle_release <= 0 and not self._activity.active
+        if restore and self._restore_malloc():
             # Without a grace period nothing would put malloc's settings back.
             malloc_trim()
 

@@ -25,6 +25,7 @@ from gpushuffle import config
 from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import DEVICE, worker_memory
+from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
 from gpushuffle.transport import Shard, wire_payload
@@ -118,6 +119,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
             describe=f"gpushuffle {spec.id} on {worker.address}",
         )
+        # Task and offload threads allocate in malloc arenas of their own,
+        # which a trim of the whole process leaves as they are (see MallocReuse).
+        for executor in (*worker.executors.values(), plugin._executor):
+            host_pool().malloc.watch(executor)
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions)
 

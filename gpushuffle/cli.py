@@ -88,7 +88,12 @@ def main() -> None:
     show_default=True,
     help="Comma-separated shuffle methods, run in this order.",
 )
-@click.option("--repeat", default=1, show_default=True, help="Runs per method (interleaved).")
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    help="Runs per method, back to back (the first of each with gpushuffle's pool emptied).",
+)
 @click.option("--protocol", default="tcp", show_default=True, type=click.Choice(["tcp", "ucx"]))
 @click.option(
     "--memory-limit",
@@ -104,6 +109,7 @@ def main() -> None:
     "kept (the 'left MiB' column: the largest worker's growth over the run).",
 )
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
+@click.option("--debug", is_flag=True, help="Show the scheduler's shuffle log.")
 @click.option(
     "--plot",
     "plot_path",
@@ -125,10 +131,12 @@ def bench(
     memory_limit: str | None,
     settle: float,
     json_path: str | None,
+    debug: bool,
     plot_path: str | None,
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
     from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
+    from gpushuffle.job import _quiet_shuffle_log
 
     if plot_path:
         from gpushuffle.plot import require_matplotlib
@@ -148,20 +156,21 @@ def bench(
             err=True,
         )
 
-    results, context = run_benchmark(
-        rows=rows,
-        columns=columns,
-        partitions=partitions,
-        workers=workers,
-        threads=threads,
-        methods=[m.strip() for m in methods.split(",") if m.strip()],
-        repeat=repeat,
-        protocol=protocol,
-        memory_limit=memory_limit,
-        settle=settle,
-        on_result=progress,
-        dtypes=dtypes,
-    )
+    with _quiet_shuffle_log(debug):
+        results, context = run_benchmark(
+            rows=rows,
+            columns=columns,
+            partitions=partitions,
+            workers=workers,
+            threads=threads,
+            methods=[m.strip() for m in methods.split(",") if m.strip()],
+            repeat=repeat,
+            protocol=protocol,
+            memory_limit=memory_limit,
+            settle=settle,
+            on_result=progress,
+            dtypes=dtypes,
+        )
     click.echo(
         f"{context['rows']:,} rows x {context['columns']} {context['dtypes']} columns, "
         f"{context['partitions']} partitions, {context['input_bytes'] / 2**30:.2f} GiB; "

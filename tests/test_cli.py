@@ -736,6 +736,22 @@ def test_demo_checks_its_result_and_keeps_distributed_logs_out():
     assert "initialized by task" not in proc.stdout + proc.stderr
 
 
+def test_bench_keeps_distributed_shuffle_logs_under_debug():
+    def bench(*extra):
+        proc = subprocess.run(
+            [GPUSHUFFLE, "bench", "--rows", "2000", "--columns", "3", "--partitions", "2",
+             "--methods", "gpushuffle", *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout + proc.stderr
+
+    assert "initialized by task" not in bench()
+    assert "initialized by task" in bench("--debug")  # the log is there to be hidden
+
+
 def test_task_floor_benchmark_reports_per_task_costs():
     from benchmarks.task_floor import main
 

@@ -214,8 +214,11 @@ class MallocReuse:
     def _trim_thread_arenas(self) -> None:
         futures: list[concurrent.futures.Future[None]] = []
         for executor in list(self._executors):
-            # Threads are started on demand: only started ones have arenas.
-            nthreads = max(1, len(getattr(executor, "_threads", ())))
+            # Threads are started on demand: only started ones have arenas
+            # (an executor that does not say how many it started gets one poke).
+            nthreads = len(getattr(executor, "_threads", (None,)))
+            if not nthreads:
+                continue
             barrier = threading.Barrier(nthreads, timeout=_POKE_WAIT)
             try:
                 futures.extend(executor.submit(_trim_arena, barrier) for _ in range(nthreads))

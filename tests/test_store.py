@@ -386,6 +386,30 @@ def _input_frame(n: int, seed: int) -> pd.DataFrame:
     )
 
 
+def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(tmp_path):
+    """The unpack phase has no puts: what borrowed rows keep alive of an
+    input the worker let go of since (distributed spilled it) is charged
+    and spilled when the unpack starts, not held uncounted."""
+    backend = PandasBackend()
+    memory = make_memory(host=4096)
+    store = store_for(backend, memory, tmp_path)
+    held = _input_frame(5_000, seed=3)
+    expected = {p: held[held.pid == p].drop(columns="pid") for p in range(4)}
+    asyncio.run(store.put(_borrowed_shard(held.copy(deep=False), 4)))
+    asyncio.run(store.release_let_go_inputs())
+    assert memory.host.bytes < 1024 and memory.moves.get(("host", "disk")) is None  # still held
+    del held
+    asyncio.run(store.release_let_go_inputs())
+    assert memory.moves[("host", "disk")].bytes > 5_000 * 8
+    assert memory.host.bytes <= 4096
+    for p in range(4):
+        nrows, pieces = store.read(p)
+        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
+        pd.testing.assert_frame_equal(out, expected[p])
+    assert memory.host.bytes == 0 and memory.disk.bytes == 0
+    store.close()
+
+
 def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill(tmp_path):
     """Rows left in an input the caller holds are charged nothing; once the
     caller lets go, the next put charges what they keep alive and spills

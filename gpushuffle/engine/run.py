@@ -407,8 +407,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # The transfer's free buffers and malloc heaps go back before the
         # first output is built (once no other shuffle on the worker still
         # transfers): unpack needs none of them, and this is when the store
-        # holds the most.
-        self.store.start_unpack()
+        # holds the most.  So do inputs the worker let go of during the
+        # transfer (distributed spilled them) that borrowed rows still hold.
+        if self.store.start_unpack():
+            sync(self._loop, self.store.release_let_go_inputs)
         nrows, tables = self.store.read(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)

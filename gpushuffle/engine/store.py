@@ -229,13 +229,34 @@ class ShardStore:
 
     async def _make_room(self) -> None:
         self._recharge_borrowed()
+        await self._move_down_while_over()
+        await self._wait_until_within(HOST)
+
+    async def _move_down_while_over(self) -> None:
         for tier in (DEVICE, HOST):
             while self._memory.tier(tier).over > 0:
                 group = self._oldest_movable(tier)
                 if group is None:
                     break
                 await self._move_down(group)
-        await self._wait_until_within(HOST)
+
+    async def release_let_go_inputs(self) -> None:
+        """Charge borrowed rows for the inputs the worker let go of since the
+        last put, and move them down if that puts the store over budget.
+
+        Puts do this as they come; the unpack phase has none, and an input
+        that distributed spilled to disk meanwhile would stay in memory,
+        held by the rows borrowed from it, with nobody counting it.  Unlike
+        a put, this does not wait for other shuffles to free memory: it only
+        gives memory back.
+        """
+        if not self._borrowed:
+            return
+        async with self._evicting:
+            if self._closed:
+                return
+            self._recharge_borrowed()
+            await self._move_down_while_over()
 
     def _recharge_borrowed(self) -> None:
         """Charge groups of borrowed rows for what of their input the worker let go of."""
@@ -353,18 +374,22 @@ class ShardStore:
 
     # -- reading (task thread, after the barrier) ---------------------------
 
-    def start_unpack(self) -> None:
-        """The run's first unpack: the pool may drop what the transfer freed."""
+    def start_unpack(self) -> bool:
+        """The run's first unpack: the pool may drop what the transfer freed.
+
+        True for the first call only.
+        """
         pool = host_pool()
         with self._lock:
             if self._unpacking or self._closed:
-                return
+                return False
             # Counted under the store's lock, which close() takes before it
             # reads _unpacking: the pool's count always matches.
             self._unpacking = True
             release = pool.count_unpack()
         if release:
             pool.release_free()
+        return True
 
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.

@@ -386,6 +386,28 @@ def _input_frame(n: int, seed: int) -> pd.DataFrame:
     )
 
 
+def test_borrowed_rows_move_when_their_partition_column_alone_exceeds_the_budget(tmp_path):
+    """As in a transfer task: the input the worker holds, plus the partition
+    column dask assigned for the shuffle, which only the borrowed rows keep.
+    A budget smaller than that column must spill them, not fail the shuffle
+    with "nothing can move" (seen on workers whose "auto" budget was ~0)."""
+    backend = PandasBackend()
+    memory = make_memory(host=4096)
+    store = store_for(backend, memory, tmp_path)
+    held = _input_frame(5_000, seed=4).drop(columns="pid")
+    pid = np.random.default_rng(4).integers(0, 4, len(held)).astype(np.int16)
+    expected = {p: held[pid == p] for p in range(4)}
+    asyncio.run(store.put(_borrowed_shard(held.assign(pid=pid), 4)))
+    assert memory.moves[("host", "disk")].bytes > 0
+    assert memory.host.bytes <= 4096
+    for p in range(4):
+        nrows, pieces = store.read(p)
+        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
+        pd.testing.assert_frame_equal(out, expected[p])
+    assert memory.host.bytes == 0 and memory.disk.bytes == 0
+    store.close()
+
+
 def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(tmp_path):
     """The unpack phase has no puts: what borrowed rows keep alive of an
     input the worker let go of since (distributed spilled it) is charged

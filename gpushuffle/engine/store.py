@@ -270,15 +270,23 @@ class ShardStore:
     def _oldest_movable(self, tier: str) -> _Group | None:
         if tier == HOST and not self._memory.disk_enabled:
             return None
+        # Moving borrowed rows copies them out of their input to free what
+        # the input holds beyond the worker's own copy: worth it once that is
+        # as much as the copy (the worker let go of the input), and otherwise
+        # only when nothing else can move (a budget smaller than what borrowed
+        # rows are charged for while their input is held: the partition
+        # column, a copied index).
+        fallback = None
         for group in self._groups.values():
-            # Moving borrowed rows copies them out of their input to free what
-            # the input holds beyond the worker's own copy: worth it once that
-            # is as much as the copy (the worker let go of the input).
-            if group.borrowed is not None and group.nbytes < max(group.copy_nbytes, 1):
+            if group.tier != tier or not group.nbytes:
                 continue
-            if group.tier == tier and any(p.group is group and not p.reading for p in group.pieces):
+            if not any(p.group is group and not p.reading for p in group.pieces):
+                continue
+            if group.borrowed is None or group.nbytes >= group.copy_nbytes:
                 return group
-        return None
+            if fallback is None:
+                fallback = group
+        return fallback
 
     async def _move_down(self, group: _Group) -> None:
         if group.tier == HOST:

@@ -762,3 +762,17 @@ def test_task_floor_benchmark_reports_per_task_costs():
     # Task counts come from each graph: len is one task per partition.
     assert "(8 tasks)" in lines[1] and lines[3].startswith("gpushuffle, len")
     assert "ms per transfer or unpack task" in lines[-1]
+
+
+def test_tight_memory_benchmark_records_each_run(tmp_path):
+    from benchmarks.tight_memory import main
+
+    out = tmp_path / "tight.json"
+    main(["--memory-limit", "2GiB", "--rows", "16000", "--methods", "gpushuffle,tasks",
+          "--json", str(out)])  # fmt: skip
+    records = json.loads(out.read_text())
+    assert [(r["method"], r["outcome"], r["rows_out"]) for r in records] == [
+        ("gpushuffle", "ok", 16000),
+        ("tasks", "ok", 16000),
+    ]
+    assert all(r["workers_replaced"] == 0 for r in records)

@@ -288,6 +288,39 @@ async def test_closed_worker_during_barrier(c, s, a, b, close):
     await finish(c, s)
 
 
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=2)
+async def test_no_sent_shard_stays_in_memory_until_the_barrier(c, s, a, b):
+    """distributed's comm buffer keeps the last message each of its send
+    tasks sent until that task has another: on a worker that distributed
+    paused (it runs no transfer) that memory never went, and the worker
+    never resumed (a shuffle hung so on 500 MiB workers).  Once every input
+    is transferred, no shard that was sent or received holds its rows."""
+    import gc
+
+    from gpushuffle.transport import Shard
+
+    expected = truth(NIN, ROWS, NOUT)
+    # Messages so small that no shard waits on its sender for others.
+    with dask.config.set({"gpushuffle.comm.message-bytes-limit": "1 KiB"}):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        key = barrier_key(shuffle_id)
+        await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+        runs = {w: active_run(w, shuffle_id) for w in (a, b)}
+        for run in runs.values():
+            await run.in_inputs_done.wait()
+        assert count_tasks(s, TRANSFER, "memory") == NIN
+        assert sum(run.total_recvd for run in runs.values()) > 0  # shards crossed
+        alive = [o for o in gc.get_objects() if isinstance(o, Shard) and o.table is not None]
+        for run in runs.values():
+            run.block_inputs_done.set()
+        assert not alive, f"{len(alive)} shards still hold their rows at the barrier"
+        assert_correct(await c.gather(futures), expected)
+    del futures
+    await finish(c, s)
+
+
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)
 async def test_closed_worker_during_unpack(c, s, a, b, budget):

@@ -309,7 +309,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # to a worker that is gone would otherwise keep the run and its
             # buffers alive for minutes (connects time out after
             # distributed.comm.timeouts.connect, then retries back off).
-            return await self._unless_closing(
+            response = await self._unless_closing(
                 retry(
                     attempt,
                     count=self.RETRY_COUNT,
@@ -317,6 +317,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     delay_max=self.RETRY_DELAY_MAX,
                 )
             )
+            # Sent and answered (so serialized): the rows can go, even where
+            # distributed keeps the Shard (its send task's last one, below).
+            for shard in shards:
+                shard.table = None
+            return response
         except ShuffleDiskFullError:
             raise
         except OSError as e:
@@ -327,6 +332,15 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"limited to {self.send_timeout:g} s (gpushuffle.comm.timeout): "
                 f"{type(e).__name__}: {e}"
             ) from e
+        finally:
+            # distributed's comm buffer keeps the list it handed over (and
+            # the last shard it took) in its send task's frame until that task
+            # has another message to send: a message per task
+            # (distributed.p2p.comm.concurrency), which otherwise stays in
+            # memory until this worker's next transfer.  A worker paused by
+            # distributed runs no transfer, so it never went below its pause
+            # threshold again.
+            shards.clear()
 
     async def _send(self, address: str, shards: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
         # The message carries a list of Shard objects, so that distributed

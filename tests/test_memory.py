@@ -352,6 +352,35 @@ def test_malloc_settings_come_back_and_heaps_are_trimmed(monkeypatch, idle_relea
     assert pool.statistics.malloc_reusing == 0
 
 
+def test_a_paused_worker_gets_back_free_blocks_and_malloc_heaps(monkeypatch):
+    """distributed pauses a worker whose memory passes worker.memory.pause and
+    runs no task until it drops: what the pool keeps for speed (free blocks,
+    malloc's raised thresholds) goes then, even while a shuffle runs."""
+    from distributed.core import Status
+
+    from gpushuffle.engine import pool as pool_module
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "65536")
+
+    class Worker:  # what the pool reads of a distributed Worker: its status
+        status = Status.running
+
+    worker = Worker()
+    pool = pool_module.HostBufferPool(limit=64 << 20, idle_release=60, malloc_reuse=True)
+    pool.malloc._mallopt = lambda option, value: 1
+    pool.watch_worker(worker)
+    pool.hold()  # a shuffle runs
+    pool.empty(4 << 20, np.uint8)  # returned to the pool at once: a free block
+    pool.release_idle()
+    assert pool.usage()["free"] >= 4 << 20 and pool.malloc.reusing  # kept for the shuffle
+    worker.status = Status.paused
+    pool.release_idle()
+    assert pool.usage()["free"] == 0 and not pool.malloc.reusing
+    assert pool.statistics.pause_releases == 1
+    worker.status = Status.running
+    pool.unhold()
+
+
 def test_malloc_reuse_only_lifts_a_nanny_trim_threshold(monkeypatch):
     from gpushuffle.engine.pool import MallocReuse
 

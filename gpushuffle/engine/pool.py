@@ -74,6 +74,9 @@ class PoolStatistics:
     #: whether it is now (1) or has the Nanny's settings back (0).
     malloc_reuses: int = 0
     malloc_reusing: int = 0
+    #: Times free blocks and malloc's heaps went back because distributed
+    #: had paused a worker of this process for its memory use.
+    pause_releases: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -267,6 +270,7 @@ class HostBufferPool:
         self._idle_released = True  # nothing to release yet
         self.statistics = PoolStatistics()
         self._trimmer: threading.Thread | None = None
+        self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- handing out ----------------------------------------------------------
 
@@ -346,11 +350,15 @@ class HostBufferPool:
         block now.  Returns the bytes unmapped.
         """
         older_than = self.idle_release if older_than is None else older_than
+        # A worker distributed paused for its memory runs no task until that
+        # drops, and nothing a shuffle keeps for speed is worth that: free
+        # blocks go, and so does what malloc kept, as when no shuffle runs.
+        paused = self.worker_paused()
         with self._lock:
             self._absorb_returned()
             now = time.monotonic()
             active, since = self._activity.active, self._activity.since
-            quiet = not active and now - since >= older_than
+            quiet = (not active and now - since >= older_than) or paused
             # While shuffles run, a block nobody took for an eighth of the
             # grace period is of a size no request has (split buffers once
             # the transfer is over, say): it would only add to the peak.
@@ -378,8 +386,22 @@ class HostBufferPool:
             # Memory the C allocator holds (received messages, pickles,
             # pandas internals) goes back too.
             malloc_trim()
-            self.statistics.idle_releases += 1
+            if paused:
+                self.statistics.pause_releases += 1
+            else:
+                self.statistics.idle_releases += 1
         return released
+
+    def watch_worker(self, worker: Any) -> None:
+        """Give back free blocks and malloc's heaps while ``worker`` is paused
+        (distributed's ``worker.memory.pause``), shuffles running or not."""
+        self._workers.add(worker)
+        self._ensure_trimmer()
+
+    def worker_paused(self) -> bool:
+        from distributed.core import Status
+
+        return any(getattr(w, "status", None) == Status.paused for w in list(self._workers))
 
     def _restore_malloc(self) -> bool:
         restored = self.malloc.restore()

@@ -123,6 +123,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # which a trim of the whole process leaves as they are (see MallocReuse).
         for executor in (*worker.executors.values(), plugin._executor):
             host_pool().malloc.watch(executor)
+        host_pool().watch_worker(worker)
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions)
 

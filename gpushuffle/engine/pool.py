@@ -30,6 +30,7 @@ import bisect
 import concurrent.futures
 import contextlib
 import ctypes
+import logging
 import mmap
 import threading
 import time
@@ -40,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 #: Smaller requests are left to the allocator: they are cheap and many.
 MIN_POOLED_BYTES = 1 << 20
@@ -177,12 +180,15 @@ class MallocReuse:
             )
         self.reusing = False
         self._lock = threading.Lock()
+        # Added to on the event loop, read by the pool's trimmer thread.
+        self._executors_lock = threading.Lock()
         self._executors: weakref.WeakSet[concurrent.futures.Executor] = weakref.WeakSet()
 
     def watch(self, executor: concurrent.futures.Executor) -> None:
         """Have ``executor``'s threads trim their malloc arenas at :meth:`restore`."""
         if self._mallopt is not None:
-            self._executors.add(executor)
+            with self._executors_lock:
+                self._executors.add(executor)
 
     def reuse(self) -> bool:
         """Raise the thresholds; True if this changed them."""
@@ -216,7 +222,9 @@ class MallocReuse:
 
     def _trim_thread_arenas(self) -> None:
         futures: list[concurrent.futures.Future[None]] = []
-        for executor in list(self._executors):
+        with self._executors_lock:
+            executors = list(self._executors)
+        for executor in executors:
             # Threads are started on demand: only started ones have arenas
             # (an executor that does not say how many it started gets one poke).
             nthreads = len(getattr(executor, "_threads", (None,)))
@@ -271,6 +279,7 @@ class HostBufferPool:
         self.statistics = PoolStatistics()
         self._trimmer: threading.Thread | None = None
         self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._workers_lock = threading.Lock()  # added to on the loop, read by the trimmer
 
     # -- handing out ----------------------------------------------------------
 
@@ -395,13 +404,16 @@ class HostBufferPool:
     def watch_worker(self, worker: Any) -> None:
         """Give back free blocks and malloc's heaps while ``worker`` is paused
         (distributed's ``worker.memory.pause``), shuffles running or not."""
-        self._workers.add(worker)
+        with self._workers_lock:
+            self._workers.add(worker)
         self._ensure_trimmer()
 
     def worker_paused(self) -> bool:
         from distributed.core import Status
 
-        return any(getattr(w, "status", None) == Status.paused for w in list(self._workers))
+        with self._workers_lock:
+            workers = list(self._workers)
+        return any(getattr(w, "status", None) == Status.paused for w in workers)
 
     def _restore_malloc(self) -> bool:
         restored = self.malloc.restore()
@@ -493,7 +505,11 @@ class HostBufferPool:
     def _trim_forever(self) -> None:
         while True:
             time.sleep(min(max(self.idle_release / 16, 0.02), 0.1))
-            self.release_idle()
+            try:
+                self.release_idle()
+            except Exception:  # pragma: no cover - nothing would give memory back
+                # A trimmer that died would leave every free block mapped.
+                logger.exception("gpushuffle: releasing idle host memory failed")
 
 
 _POOL: HostBufferPool | None = None

@@ -33,7 +33,7 @@ import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
 
-from gpushuffle.backends import arrow
+from gpushuffle.backends import arrow, flat
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.engine import copies
 from gpushuffle.engine.pool import HostBufferPool, host_pool
@@ -161,22 +161,29 @@ def _index_dtype(index: pd.Index) -> np.dtype | None:
 def _take_rows(
     values: Sequence[Any], index: pd.Index | None, rows: np.ndarray, pool: HostBufferPool
 ) -> tuple[list[Any], pd.Index | None]:
-    """``rows`` of every column (and of ``index``), numpy data into one pooled block."""
-    poolable = [i for i, v in enumerate(values) if _poolable(v)]
+    """``rows`` of every column (and of ``index``), numpy data and the flat
+    buffers of fixed-width extension arrays (:mod:`~gpushuffle.backends.flat`)
+    into one pooled block."""
+    # Per column: its numpy arrays to take from (one, or an extension
+    # array's flat buffers), or None for a column taken by its own take.
+    sources: list[tuple[np.ndarray, ...] | None] = [
+        (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
+    ]
     index_dtype = None if index is None else _index_dtype(index)
-    dtypes = [values[i].dtype for i in poolable]
+    dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
     if index_dtype is not None:
         dtypes.append(index_dtype)
     carved = iter(_carve(pool, len(rows), dtypes, "split"))
     columns: list[Any] = []
     arrow_rows: list[pa.Array] = []  # shared by every Arrow column, no copy
-    for i, v in enumerate(values):
-        if i in poolable:
-            # mode="clip" skips the bounds-check copy numpy makes with out=
-            # and mode="raise"; ``rows`` are valid positions, none is clipped.
-            columns.append(np.take(v, rows, out=next(carved), mode="clip"))
-        else:
+    for v, parts in zip(values, sources, strict=True):
+        if parts is None:
             columns.append(_take_column(v, rows, arrow_rows))
+            continue
+        # mode="clip" skips the bounds-check copy numpy makes with out=
+        # and mode="raise"; ``rows`` are valid positions, none is clipped.
+        taken = tuple(np.take(a, rows, out=next(carved), mode="clip") for a in parts)
+        columns.append(taken[0] if _poolable(v) else flat.unflat(taken, v.dtype))
     if index is None:
         return columns, None
     if index_dtype is None:
@@ -310,9 +317,13 @@ def _plain_index(index: pd.Index) -> bool:
     return type(index) in (pd.Index, pd.RangeIndex) and _poolable(np.empty(0, index.dtype))
 
 
-def _fills(dtype: Any) -> bool:
-    """Whether an output column of ``dtype`` is filled in place (plain numpy data)."""
-    return isinstance(dtype, np.dtype) and not dtype.hasobject
+def _fill_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:
+    """The arrays an output column of ``dtype`` is filled into in place: plain
+    numpy data as itself, fixed-width extension arrays as their flat buffers
+    (:mod:`~gpushuffle.backends.flat`); None for the others."""
+    if isinstance(dtype, np.dtype):
+        return None if dtype.hasobject else (dtype,)
+    return flat.flat_dtypes(dtype)
 
 
 #: Pieces smaller than this are gathered and copied together.
@@ -323,39 +334,61 @@ _BATCH_PIECES = 256
 class _ColumnBuilder:
     """One output column, filled piece by piece.
 
-    Numeric pieces are copied straight into ``out``, a pooled array of the
-    output's length, so each piece can be released once copied.  Pieces that are not
-    plain numpy data, or would not cast safely, are collected and
-    concatenated at the end.
+    Pieces are copied straight into ``outs``, pooled arrays of the output's
+    length (one for numpy data, an extension array's flat buffers for the
+    fixed-width ones), so each piece can be released once copied.  Pieces
+    that do not fit (other dtypes, numpy data that would not cast safely, an
+    Arrow piece with nulls) are collected and concatenated at the end,
+    after what was filled until then.
     """
 
     def __init__(
-        self, dtype: Any, pool: HostBufferPool, out: np.ndarray | None, index: bool = False
+        self,
+        dtype: Any,
+        pool: HostBufferPool,
+        outs: tuple[np.ndarray, ...] | None,
+        index: bool = False,
     ) -> None:
         self.dtype = dtype
         self.pool = pool
         self.index = index
-        self.filling = out is not None
-        self.out = out
+        #: Filled as flat buffers of an extension dtype (else numpy data).
+        self.extension = not isinstance(dtype, np.dtype)
+        self.filling = outs is not None
+        self.outs = outs
         self.position = 0
         self.copied = 0  # counted once, at the end (the counters take a lock)
         self.parts: list[Any] = []
 
+    def _fits(self, values: Any) -> tuple[np.ndarray, ...] | None:
+        """``values`` as the arrays to copy into ``outs``, or None if it does not fit."""
+        if self.extension:
+            return flat.flat(values, self.dtype)
+        if isinstance(values, np.ndarray) and np.can_cast(values.dtype, self.dtype, "safe"):
+            return (values,)
+        return None
+
+    def _filled(self) -> Any:
+        """The rows filled so far, as an array of the column's dtype."""
+        assert self.outs is not None
+        outs = tuple(out[: self.position] for out in self.outs)
+        return flat.unflat(outs, self.dtype) if self.extension else outs[0]
+
+    def _stop_filling(self) -> None:
+        if self.filling and self.outs is not None and self.position:
+            self.parts.append(self._filled())
+        self.filling, self.outs = False, None
+
     def add(self, values: Any) -> None:
         n = len(values)
-        if (
-            self.filling
-            and isinstance(values, np.ndarray)
-            and np.can_cast(values.dtype, self.dtype, "safe")
-        ):
-            assert self.out is not None
-            self.out[self.position : self.position + n] = values
-            self.copied += values.nbytes
+        parts = self._fits(values) if self.filling else None
+        if parts is not None:
+            assert self.outs is not None
+            for out, part in zip(self.outs, parts, strict=True):
+                out[self.position : self.position + n] = part
+                self.copied += part.nbytes
         else:
-            if self.filling and self.out is not None:
-                if self.position:
-                    self.parts.append(self.out[: self.position])
-                self.filling, self.out = False, None
+            self._stop_filling()
             self.parts.append(values)
         self.position += n
 
@@ -363,10 +396,17 @@ class _ColumnBuilder:
         """:meth:`add` ``values.take(rows)``, gathered straight into the output
         where it can be."""
         n = len(rows)
-        if self.filling and type(values) is np.ndarray and values.dtype == self.dtype:
-            assert self.out is not None
-            np.take(values, rows, out=self.out[self.position : self.position + n], mode="clip")
-            self.copied += n * values.itemsize
+        parts: tuple[np.ndarray, ...] | None = None
+        if self.filling:
+            if self.extension:
+                parts = flat.flat(values, self.dtype)
+            elif type(values) is np.ndarray and values.dtype == self.dtype:
+                parts = (values,)
+        if parts is not None:
+            assert self.outs is not None
+            for out, part in zip(self.outs, parts, strict=True):
+                np.take(part, rows, out=out[self.position : self.position + n], mode="clip")
+                self.copied += n * part.itemsize
             self.position += n
             return
         taken = _take_column(values, rows, arrow_rows)
@@ -374,16 +414,17 @@ class _ColumnBuilder:
         self.add(taken)
 
     def add_all(self, values: list[Any]) -> None:
-        """:meth:`add` each of ``values``; plain numpy pieces in one copy."""
+        """:meth:`add` each of ``values``; those that fit in one copy per buffer."""
         if len(values) > 1 and self.filling:
-            assert self.out is not None
-            if all(type(v) is np.ndarray for v in values) and all(
-                np.can_cast(dtype, self.dtype, "safe") for dtype in {v.dtype for v in values}
-            ):
+            assert self.outs is not None
+            fits = [self._fits(v) for v in values]
+            fitting = [parts for parts in fits if parts is not None]
+            if len(fitting) == len(values):
                 n = sum(len(v) for v in values)
-                out = self.out[self.position : self.position + n]
-                np.concatenate(values, out=out, casting="safe")
-                self.copied += out.nbytes
+                for k, out in enumerate(self.outs):
+                    chunk = out[self.position : self.position + n]
+                    np.concatenate([parts[k] for parts in fitting], out=chunk, casting="safe")
+                    self.copied += chunk.nbytes
                 self.position += n
                 return
         for v in values:
@@ -391,8 +432,8 @@ class _ColumnBuilder:
 
     def finish(self) -> Any:
         copies.count("unpack", self.copied)
-        if self.out is not None:
-            return self.out
+        if self.outs is not None:
+            return self._filled()
         if self.index:
             out = _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
         else:
@@ -540,16 +581,18 @@ class PandasBackend(TableBackend):
         plain_index = keep_index and _plain_index(meta.index)
         if plain_index:
             dtypes.append(meta.index.dtype)
-        # The numeric output columns share one pooled block, allocated once.
-        filled = iter(_carve(pool, nrows, [d for d in dtypes if _fills(d)], "unpack"))
+        # The output columns filled in place share one pooled block,
+        # allocated once.
+        fills = [_fill_dtypes(d) for d in dtypes]
+        filled = iter(_carve(pool, nrows, [f for fs in fills if fs for f in fs], "unpack"))
         builders = [
             _ColumnBuilder(
                 d,
                 pool,
-                next(filled) if _fills(d) else None,
+                None if fs is None else tuple(next(filled) for _ in fs),
                 index=plain_index and i == len(meta.dtypes),
             )
-            for i, d in enumerate(dtypes)
+            for i, (d, fs) in enumerate(zip(dtypes, fills, strict=True))
         ]
         columns = builders[: len(meta.dtypes)]
         index_builder = builders[-1] if plain_index else None

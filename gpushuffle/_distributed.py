@@ -15,7 +15,7 @@ and ``dask/dataframe/multi.py`` (``merge_chunk``), also identical in both.
 from __future__ import annotations
 
 from dask._task_spec import Task, TaskRef
-from dask.dataframe.dask_expr._expr import Fused
+from dask.dataframe.dask_expr._expr import Assign, Fused
 from dask.dataframe.dask_expr._merge import (
     BlockwiseMerge,
     BroadcastJoin,
@@ -77,6 +77,7 @@ def known_run(
 
 
 __all__ = [
+    "Assign",
     "AssignPartitioningIndex",
     "BlockwiseMerge",
     "BroadcastJoin",

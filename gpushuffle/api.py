@@ -24,6 +24,7 @@ from typing import Any
 
 from gpushuffle import config
 from gpushuffle._distributed import (
+    Assign,
     AssignPartitioningIndex,
     BlockwiseMerge,
     BroadcastJoin,
@@ -140,8 +141,13 @@ def _persisted_input(frame: Any) -> bool:
     holds them, which a running computation's graph does: rows kept on
     their own worker can stay in them.  Anything computed on the way (a
     filter, a projection) gives frames of their own, which are copied.
+    Columns assigned to persisted data (the partition ids that ``set_index``
+    and ``sort_values`` add) leave its other columns shared with it (pandas'
+    copy-on-write): the store charges what only the assigned ones keep.
     """
-    if isinstance(frame, AssignPartitioningIndex):
+    if isinstance(frame, Fused):  # the assignment fused with what computes its values
+        frame = frame.exprs[0]
+    while isinstance(frame, AssignPartitioningIndex | Assign):
         frame = frame.frame
     return isinstance(frame, FromGraph)
 

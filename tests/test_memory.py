@@ -578,6 +578,41 @@ def test_rows_kept_on_their_worker_stay_in_a_persisted_input():
         assert_nothing_left_behind(client)
 
 
+@pytest.mark.parametrize("operation", ["set_index", "sort_values"])
+def test_set_index_and_sort_values_of_a_persisted_input_borrow_its_rows(operation):
+    """The partition ids set_index and sort_values assign to a persisted
+    input leave its other columns shared with it: rows a worker keeps are
+    borrowed (about half the split's copies), and every row comes out once,
+    in order."""
+    pdf = big_frame(200_000)
+    with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
+        persisted = dd.from_pandas(pdf, npartitions=8, sort=False).persist()
+        wait(persisted)
+        split = {}
+        for borrow in (False, True):
+            client.run(_set_borrow, borrow)
+            before = _split_bytes(client)
+            with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+                if operation == "set_index":
+                    result = persisted.set_index("key")
+                else:
+                    result = persisted.sort_values("key")
+                # Persisted first: compute() alone would let dask sort one
+                # concatenated partition, without a shuffle.
+                got = result.persist().compute()
+            split[borrow] = _split_bytes(client) - before
+            assert len(got) == len(pdf)
+            keys = got.index if operation == "set_index" else got["key"]
+            assert keys.is_monotonic_increasing
+            expected = pdf.set_index("key") if operation == "set_index" else pdf
+            assert checksum(got, index=operation == "set_index") == checksum(
+                expected, index=operation == "set_index"
+            )
+        client.run(_set_borrow, True)
+        assert 0.3 * split[False] < split[True] < 0.7 * split[False], split
+        assert_nothing_left_behind(client)
+
+
 def test_join_of_persisted_sides_borrows_and_matches_pandas():
     rng = np.random.default_rng(8)
     left = pd.DataFrame(

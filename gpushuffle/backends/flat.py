@@ -1,13 +1,13 @@
 """Fixed-width pandas extension arrays as flat numpy arrays.
 
 Arrow-backed fixed-width columns (``decimal128``, ``date32``, timestamps,
-pyarrow ints and floats: what ``read_parquet`` gives), tz-aware datetimes
+pyarrow ints and floats: what ``read_parquet`` gives), tz-aware datetimes,
 pandas' masked arrays (``Int64``, ``Float64``, ``boolean``) and categoricals
 of one known dtype are, under their pandas types, one or two plain
-numpy-typed buffers (a categorical's codes; its categories are the dtype's).  Taken and filled
-as such, they take the numpy path of the split and the unpack: gathered
-with ``np.take`` into pooled memory, and an output column filled in place
-piece by piece.  The other way (an extension ``take`` per piece into fresh
+numpy-typed buffers (a categorical's codes: its categories are the
+dtype's).  Taken and filled as such, they take the numpy path of the split
+and the unpack: gathered with ``np.take`` into pooled memory, and an output
+column filled in place piece by piece.  The other way (an extension ``take`` per piece into fresh
 memory, then ``_concat_same_type`` and, for Arrow, ``combine_chunks``)
 copies the rows of a borrowed piece twice and allocates twice.
 

@@ -321,6 +321,38 @@ async def test_no_sent_shard_stays_in_memory_until_the_barrier(c, s, a, b):
     await finish(c, s)
 
 
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=2)
+async def test_a_paused_worker_moves_the_shards_its_store_holds_to_disk(c, s, a, b):
+    """distributed pauses a worker whose memory passes its pause threshold:
+    it runs no task until its memory drops.  A store within its budget kept
+    what it held, so a paused worker with transfers left never resumed (a
+    shuffle hung so on 600 MiB workers).  Paused, it moves its received
+    shards to disk; a worker left running keeps its own; every row comes out."""
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffle_id = await wait_for_shuffle(s)
+    key = barrier_key(shuffle_id)
+    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
+    for run in runs.values():
+        await run.in_inputs_done.wait()
+    paused, running = runs[a].store.statistics, runs[b].store.statistics
+    assert paused.host_bytes > 0 and paused.disk_bytes == 0
+    a.status = Status.paused
+    try:
+        await wait_for(lambda: paused.host_bytes == 0, timeout=10, what="the paused store to shed")
+    finally:
+        a.status = Status.running
+    assert paused.disk_bytes > 0 and paused.groups_shed > 0
+    assert running.disk_bytes == 0 and running.groups_shed == 0 and running.host_bytes > 0
+    for run in runs.values():
+        run.block_inputs_done.set()
+    assert_correct(await c.gather(futures), expected)
+    del futures
+    await finish(c, s)
+
+
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)
 async def test_closed_worker_during_unpack(c, s, a, b, budget):

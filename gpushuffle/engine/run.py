@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -16,10 +17,11 @@ import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.comm import get_address_host
-from distributed.core import ErrorMessage, OKMessage
+from distributed.core import ErrorMessage, OKMessage, Status
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
 from distributed.utils_comm import retry
+from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config
 from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
@@ -39,6 +41,11 @@ T = TypeVar("T")
 #: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
 #: default) are held back until that much is ready for their worker.
 _LINGER_FRACTION = 16
+
+#: How often a run checks whether distributed paused its worker for memory.
+_PAUSE_CHECK_MS = 100
+
+logger = logging.getLogger(__name__)
 
 
 # The base class's first parameter types both output partitions (ints here)
@@ -126,6 +133,31 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         host_pool().watch_worker(worker)
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions)
+        # A worker paused for its memory runs no task until that drops; what
+        # the store holds in memory goes to disk meanwhile (ShardStore.shed_host).
+        self._worker = worker
+        self._shedding: asyncio.Future[int] | None = None
+        self._pause_watch = PeriodicCallback(self._shed_if_paused, _PAUSE_CHECK_MS)
+        worker.loop.add_callback(self._start_pause_watch)
+
+    def _start_pause_watch(self) -> None:
+        if not self._closing.is_set():
+            self._pause_watch.start()
+
+    def _shed_if_paused(self) -> None:
+        if self._shedding is not None or self._closing.is_set():
+            return
+        if self._worker.status != Status.paused:
+            return
+        self._shedding = asyncio.ensure_future(self.store.shed_host())
+        self._shedding.add_done_callback(self._shed_done)
+
+    def _shed_done(self, future: asyncio.Future[int]) -> None:
+        self._shedding = None
+        if not future.cancelled() and (e := future.exception()) is not None:
+            # The next put or unpack meets the same fault (a full disk, a
+            # closed store) and reports it; the watch only logs it here.
+            logger.warning("%s: moving received shards to disk while paused failed: %r", self, e)
 
     def _layout(self, worker_for: dict[int, str], npartitions: int) -> None:
         """Order wanted partitions by destination worker.
@@ -445,6 +477,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # Release received shards and spill files first: the base class then
         # waits for the comm buffer's sends, which _closing makes give up.
         self._closing.set()
+        self._pause_watch.stop()
         self._lingering.clear()
         self._lingering_bytes.clear()
         self.store.close()

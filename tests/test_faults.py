@@ -322,7 +322,9 @@ async def test_no_sent_shard_stays_in_memory_until_the_barrier(c, s, a, b):
 
 
 @mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
-@cluster_test(n_workers=2)
+# The test pauses the worker itself: distributed's memory monitor, which
+# would resume it within 100 ms (its memory is low), is off.
+@cluster_test(n_workers=2, config={"distributed.worker.memory.pause": False})
 async def test_a_paused_worker_moves_the_shards_its_store_holds_to_disk(c, s, a, b):
     """distributed pauses a worker whose memory passes its pause threshold:
     it runs no task until its memory drops.  A store within its budget kept

@@ -410,7 +410,9 @@ def statistics(client: Any) -> Any:
     (``device``, ``host``, ``disk``) its ``_limit``, the ``_bytes`` received
     shards hold there now and the ``_peak_bytes``; bytes and seconds moved
     between tiers each way (``host_to_disk_bytes``, ``disk_to_host_seconds``,
-    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``; the
+    ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``;
+    ``pause_sheds`` (groups of shards moved to disk while distributed had the
+    worker paused for its memory); the
     host buffer pool's counters (``host_pool_...``); and what crossed the
     wire (``wire_shards_sent``, ``wire_shards_serialized``,
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,

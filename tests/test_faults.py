@@ -49,7 +49,7 @@ from faults import (
 )
 
 from gpushuffle._distributed import barrier_key
-from gpushuffle.engine.memory import reset_worker_memory
+from gpushuffle.engine.memory import reset_worker_memory, worker_memory
 from gpushuffle.engine.run import GPUShuffleRun
 from gpushuffle.engine.spec import GPUShuffleSpec
 
@@ -348,6 +348,9 @@ async def test_a_paused_worker_moves_the_shards_its_store_holds_to_disk(c, s, a,
         a.status = Status.running
     assert paused.disk_bytes > 0 and paused.groups_shed > 0
     assert running.disk_bytes == 0 and running.groups_shed == 0 and running.host_bytes > 0
+    # Both workers share this process's budgets (and the count that
+    # gpushuffle.statistics reports): it is the paused one's.
+    assert worker_memory().snapshot()["pause_sheds"] == paused.groups_shed
     for run in runs.values():
         run.block_inputs_done.set()
     assert_correct(await c.gather(futures), expected)

@@ -56,6 +56,9 @@ class WorkerMemory:
     device_known: bool = False
     moves: dict[tuple[str, str], Movement] = field(default_factory=dict)
     runs_started: int = 0
+    #: Groups of shards moved to disk because distributed paused the worker
+    #: for its memory (``ShardStore.shed_host``), all runs.
+    pause_sheds: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the
     #: store to take them: not yet charged to any tier.
     waiting: int = 0
@@ -89,6 +92,11 @@ class WorkerMemory:
         with self._lock:
             self.waiting += nbytes
 
+    def shed(self) -> None:
+        """One group moved to disk because the worker was paused."""
+        with self._lock:
+            self.pause_sheds += 1
+
     def moved(self, source: str, target: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             movement = self.moves.setdefault((source, target), Movement())
@@ -111,6 +119,7 @@ class WorkerMemory:
                 row[f"{source}_to_{target}_seconds"] = movement.seconds
             row["spilled_bytes"] = row["device_to_host_bytes"] + row["host_to_disk_bytes"]
             row["runs"] = self.runs_started
+            row["pause_sheds"] = self.pause_sheds
             return row
 
 

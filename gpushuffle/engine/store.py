@@ -283,6 +283,7 @@ class ShardStore:
                 await self._move_down(group)
                 moved += 1
                 self.statistics.groups_shed += 1
+                self._memory.shed()
         return moved
 
     def _recharge_borrowed(self) -> None:

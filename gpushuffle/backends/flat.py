@@ -7,9 +7,10 @@ of one known dtype are, under their pandas types, one or two plain
 numpy-typed buffers (a categorical's codes: its categories are the
 dtype's).  Taken and filled as such, they take the numpy path of the split
 and the unpack: gathered with ``np.take`` into pooled memory, and an output
-column filled in place piece by piece.  The other way (an extension ``take`` per piece into fresh
-memory, then ``_concat_same_type`` and, for Arrow, ``combine_chunks``)
-copies the rows of a borrowed piece twice and allocates twice.
+column filled in place piece by piece.  The other way (an extension
+``take`` per piece into fresh memory, then ``_concat_same_type`` and, for
+Arrow, ``combine_chunks``) copies the rows of a borrowed piece twice and
+allocates twice.
 
 :func:`flat` gives an array's buffers as numpy views, or None when it has
 no flat form: Arrow chunks with nulls (their validity bitmaps are bits, not
@@ -41,12 +42,13 @@ def _bytes_dtype(width: int) -> np.dtype:
     return np.dtype(_UINTS[width]) if width in _UINTS else np.dtype((np.void, width))
 
 
-def _arrow_type(dtype: Any) -> pa.DataType | None:
-    """The fixed-width Arrow type of an ``ArrowDtype`` with a flat form, else None."""
+def _arrow_values(dtype: Any) -> tuple[pa.DataType, np.dtype] | None:
+    """The Arrow type of an ``ArrowDtype`` with a flat form and the numpy
+    dtype of its values buffer, else None."""
     if not isinstance(dtype, pd.ArrowDtype):
         return None
-    type = dtype.pyarrow_dtype
-    return type if arrow._fixed_width(type) is not None else None
+    width = arrow._fixed_width(dtype.pyarrow_dtype)
+    return None if width is None else (dtype.pyarrow_dtype, _bytes_dtype(width))
 
 
 def flat_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:
@@ -54,11 +56,9 @@ def flat_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:
 
     Only extension dtypes: plain numpy columns are filled as they are.
     """
-    type = _arrow_type(dtype)
-    if type is not None:
-        width = arrow._fixed_width(type)
-        assert width is not None
-        return (_bytes_dtype(width),)
+    arrow_values = _arrow_values(dtype)
+    if arrow_values is not None:
+        return (arrow_values[1],)
     if isinstance(dtype, pd.DatetimeTZDtype):
         return (np.dtype(np.int64),)
     if isinstance(dtype, BaseMaskedDtype):
@@ -83,16 +83,16 @@ def flat(values: Any, dtype: Any) -> tuple[np.ndarray, ...] | None:
         # codes mean the same only in the same order.
         same = values.categories.equals(dtype.categories)
         return (values.codes,) if same else None
-    type = _arrow_type(dtype)
-    if type is None or not arrow.is_arrow(values):
+    arrow_values = _arrow_values(dtype)
+    if arrow_values is None or not arrow.is_arrow(values):
         return None
+    raw = arrow_values[1]
     chunks = [c for c in values._pa_array.chunks if len(c)]
     if not chunks:
-        return (np.empty(0, _bytes_dtype(arrow._fixed_width(type) or 1)),)
+        return (np.empty(0, raw),)
     if len(chunks) > 1 or chunks[0].null_count:
         return None
     (chunk,) = chunks
-    raw = _bytes_dtype(arrow._fixed_width(type) or 1)
     return (
         np.frombuffer(
             chunk.buffers()[1], raw, count=len(chunk), offset=chunk.offset * raw.itemsize
@@ -111,10 +111,12 @@ def unflat(arrays: tuple[np.ndarray, ...], dtype: Any) -> ExtensionArray:
         return masked_type(data, mask)
     if isinstance(dtype, pd.CategoricalDtype):
         return pd.Categorical.from_codes(arrays[0], dtype=dtype, validate=False)
-    type = _arrow_type(dtype)
-    assert type is not None, dtype
+    arrow_values = _arrow_values(dtype)
+    assert arrow_values is not None, dtype
     (values,) = arrays
-    chunk = pa.Array.from_buffers(type, len(values), [None, pa.py_buffer(values)], null_count=0)
+    chunk = pa.Array.from_buffers(
+        arrow_values[0], len(values), [None, pa.py_buffer(values)], null_count=0
+    )
     return pd.arrays.ArrowExtensionArray(chunk)
 
 

@@ -354,11 +354,15 @@ class _ColumnBuilder:
         self.index = index
         #: Filled as flat buffers of an extension dtype (else numpy data).
         self.extension = not isinstance(dtype, np.dtype)
-        self.filling = outs is not None
         self.outs = outs
         self.position = 0
         self.copied = 0  # counted once, at the end (the counters take a lock)
         self.parts: list[Any] = []
+
+    @property
+    def filling(self) -> bool:
+        """Whether pieces still go straight into ``outs``."""
+        return self.outs is not None
 
     def _fits(self, values: Any) -> tuple[np.ndarray, ...] | None:
         """``values`` as the arrays to copy into ``outs``, or None if it does not fit."""
@@ -375,9 +379,9 @@ class _ColumnBuilder:
         return flat.unflat(outs, self.dtype) if self.extension else outs[0]
 
     def _stop_filling(self) -> None:
-        if self.filling and self.outs is not None and self.position:
+        if self.outs is not None and self.position:
             self.parts.append(self._filled())
-        self.filling, self.outs = False, None
+        self.outs = None
 
     def add(self, values: Any) -> None:
         n = len(values)

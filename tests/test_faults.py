@@ -246,6 +246,20 @@ def active_run(worker: Any, shuffle_id: str) -> Any:
     return worker.plugins["shuffle"].shuffle_runs._active_runs[shuffle_id]
 
 
+async def held_at_barrier(c: Any, s: Any, workers: tuple[Any, ...]) -> tuple[Any, str, dict]:
+    """Compute the standard shuffle under ``BlockedInputsDone`` until every
+    worker is held in its barrier; the futures, the shuffle id and each
+    worker's run."""
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffle_id = await wait_for_shuffle(s)
+    key = barrier_key(shuffle_id)
+    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
+    runs = {w: active_run(w, shuffle_id) for w in workers}
+    for run in runs.values():
+        await run.in_inputs_done.wait()
+    return futures, shuffle_id, runs
+
+
 async def restarted_run(worker: Any, shuffle_id: str, old: Any) -> Any:
     runs = worker.plugins["shuffle"].shuffle_runs._active_runs
 
@@ -262,16 +276,10 @@ async def restarted_run(worker: Any, shuffle_id: str, old: Any) -> Any:
 @cluster_test(n_workers=2)
 async def test_closed_worker_during_barrier(c, s, a, b, close):
     expected = truth(NIN, ROWS, NOUT)
-    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
-    shuffle_id = await wait_for_shuffle(s)
-    key = barrier_key(shuffle_id)
-    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
-    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
-    for run in runs.values():
-        await run.in_inputs_done.wait()
+    futures, shuffle_id, runs = await held_at_barrier(c, s, (a, b))
     # Every input transferred; both workers are inside the barrier.
     assert count_tasks(s, TRANSFER, "memory") == NIN
-    on = s.tasks[key].processing_on.address
+    on = s.tasks[barrier_key(shuffle_id)].processing_on.address
     barrier_worker, other = (a, b) if on == a.address else (b, a)
     closing, alive = (
         (barrier_worker, other) if close == "barrier-worker" else (other, barrier_worker)
@@ -303,13 +311,7 @@ async def test_no_sent_shard_stays_in_memory_until_the_barrier(c, s, a, b):
     expected = truth(NIN, ROWS, NOUT)
     # Messages so small that no shard waits on its sender for others.
     with dask.config.set({"gpushuffle.comm.message-bytes-limit": "1 KiB"}):
-        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
-        shuffle_id = await wait_for_shuffle(s)
-        key = barrier_key(shuffle_id)
-        await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
-        runs = {w: active_run(w, shuffle_id) for w in (a, b)}
-        for run in runs.values():
-            await run.in_inputs_done.wait()
+        futures, _, runs = await held_at_barrier(c, s, (a, b))
         assert count_tasks(s, TRANSFER, "memory") == NIN
         assert sum(run.total_recvd for run in runs.values()) > 0  # shards crossed
         alive = [o for o in gc.get_objects() if isinstance(o, Shard) and o.table is not None]
@@ -332,13 +334,7 @@ async def test_a_paused_worker_moves_the_shards_its_store_holds_to_disk(c, s, a,
     shuffle hung so on 600 MiB workers).  Paused, it moves its received
     shards to disk; a worker left running keeps its own; every row comes out."""
     expected = truth(NIN, ROWS, NOUT)
-    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
-    shuffle_id = await wait_for_shuffle(s)
-    key = barrier_key(shuffle_id)
-    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
-    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
-    for run in runs.values():
-        await run.in_inputs_done.wait()
+    futures, _, runs = await held_at_barrier(c, s, (a, b))
     paused, running = runs[a].store.statistics, runs[b].store.statistics
     assert paused.host_bytes > 0 and paused.disk_bytes == 0
     a.status = Status.paused
@@ -455,14 +451,8 @@ async def test_closed_worker_with_no_allowed_failures_raises_killed_worker(c, s,
 @mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
 @cluster_test(n_workers=2, config={"distributed.scheduler.allowed-failures": 0})
 async def test_closed_barrier_worker_with_no_allowed_failures_raises_killed_worker(c, s, a, b):
-    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
-    shuffle_id = await wait_for_shuffle(s)
-    key = barrier_key(shuffle_id)
-    await wait_for(lambda: key in s.tasks and s.tasks[key].state == "processing")
-    runs = {w: active_run(w, shuffle_id) for w in (a, b)}
-    for run in runs.values():
-        await run.in_inputs_done.wait()
-    closing = a if s.tasks[key].processing_on.address == a.address else b
+    futures, shuffle_id, runs = await held_at_barrier(c, s, (a, b))
+    closing = a if s.tasks[barrier_key(shuffle_id)].processing_on.address == a.address else b
     alive = b if closing is a else a
     await closing.close()
     with pytest.raises(KilledWorker):

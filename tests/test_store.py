@@ -386,6 +386,17 @@ def _input_frame(n: int, seed: int) -> pd.DataFrame:
     )
 
 
+def _assert_reads_back(store, backend, memory, expected: dict) -> None:
+    """Each partition ``p`` reads back as ``expected[p]``, then nothing is left
+    charged; closes the store."""
+    for p, frame in expected.items():
+        nrows, pieces = store.read(p)
+        out = backend.assemble(pieces, nrows, frame.iloc[:0], keep_index=True)
+        pd.testing.assert_frame_equal(out, frame)
+    assert memory.host.bytes == 0 and memory.disk.bytes == 0
+    store.close()
+
+
 def test_borrowed_rows_move_when_their_partition_column_alone_exceeds_the_budget(tmp_path):
     """As in a transfer task: the input the worker holds, plus the partition
     column dask assigned for the shuffle, which only the borrowed rows keep.
@@ -400,12 +411,7 @@ def test_borrowed_rows_move_when_their_partition_column_alone_exceeds_the_budget
     asyncio.run(store.put(_borrowed_shard(held.assign(pid=pid), 4)))
     assert memory.moves[("host", "disk")].bytes > 0
     assert memory.host.bytes <= 4096
-    for p in range(4):
-        nrows, pieces = store.read(p)
-        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
-        pd.testing.assert_frame_equal(out, expected[p])
-    assert memory.host.bytes == 0 and memory.disk.bytes == 0
-    store.close()
+    _assert_reads_back(store, backend, memory, expected)
 
 
 def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(tmp_path):
@@ -424,12 +430,7 @@ def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(
     asyncio.run(store.release_let_go_inputs())
     assert memory.moves[("host", "disk")].bytes > 5_000 * 8
     assert memory.host.bytes <= 4096
-    for p in range(4):
-        nrows, pieces = store.read(p)
-        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
-        pd.testing.assert_frame_equal(out, expected[p])
-    assert memory.host.bytes == 0 and memory.disk.bytes == 0
-    store.close()
+    _assert_reads_back(store, backend, memory, expected)
 
 
 def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill(tmp_path):
@@ -457,10 +458,7 @@ def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill
     moved = memory.moves[("host", "disk")]
     assert moved.bytes > 5_000 * 8  # the borrowed rows, copied out and written
     assert memory.host.bytes <= 4096
-    for p in range(4):
-        nrows, pieces = store.read(p)
-        out = backend.assemble(pieces, nrows, expected[p].iloc[:0], keep_index=True)
-        truth = pd.concat([expected[p], other[other.pid == p].drop(columns="pid")])
-        pd.testing.assert_frame_equal(out, truth)
-    assert memory.host.bytes == 0 and memory.disk.bytes == 0
-    store.close()
+    truth = {
+        p: pd.concat([expected[p], other[other.pid == p].drop(columns="pid")]) for p in range(4)
+    }
+    _assert_reads_back(store, backend, memory, truth)

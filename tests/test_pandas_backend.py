@@ -551,6 +551,56 @@ def test_fixed_width_extension_columns_are_filled_in_place_borrowed_or_received(
             assert out[name].array._pa_array.num_chunks == 1
 
 
+def test_large_string_pieces_taken_from_a_borrowed_input_stay_chunks_of_the_output():
+    """A string piece taken from a held input is memory of its own: it becomes
+    a chunk of the output as it is, not copied once more into one chunk.
+    Received pieces (views of message buffers) and small pieces are still
+    joined into one chunk, and the values are those of pandas' concat."""
+    from gpushuffle.backends import pandas as backend_module
+    from gpushuffle.backends.pandas import BorrowedRows
+    from gpushuffle.engine import copies
+
+    backend = PandasBackend()
+    rank = np.zeros(1, dtype=np.int16)
+    big = backend_module._KEEP_CHUNK_ROWS + 1000
+    held = frame_with_partitions(big, 1, seed=0)  # this worker's input, borrowed
+    small = frame_with_partitions(500, 1, seed=1)  # borrowed too, but small
+    meta = held.iloc[:0].drop(columns="_partitions")
+    pieces, received = [], []
+    for frame in (held, small):
+        (borrowed,), _ = backend.split_groups(
+            frame, "_partitions", rank, 1, False, [(0, 1)], borrow=0
+        )
+        assert isinstance(borrowed, BorrowedRows)
+        pieces.append(borrowed)
+    for seed in (2, 3):  # from another worker, 2,000 rows each
+        sent, _ = backend.split(
+            frame_with_partitions(2000, 1, seed=seed), "_partitions", rank, 1, False
+        )
+        header, frames = backend.serialize(sent)
+        received.append(backend.deserialize(header, [memoryview(f) for f in frames]))
+    frames_in = [held, small]
+    nrows = big + 500 + 4000
+    before = copies.statistics.unpack
+    out = backend.assemble(pieces + received, nrows, meta, keep_index=False)
+    copied = copies.statistics.unpack - before
+    expected = pd.concat(
+        frames_in + [frame_with_partitions(2000, 1, seed=s) for s in (2, 3)], ignore_index=True
+    ).drop(columns="_partitions")
+    pd.testing.assert_frame_equal(out, expected)
+    chunks = out["s"].array._pa_array.chunks
+    # The large taken piece as it was taken; the small one and both received
+    # ones joined into one chunk.
+    assert [len(c) for c in chunks] == [big, 4500]
+    held_data = held["s"].array._pa_array.chunks[0].buffers()[2]
+    taken_data = chunks[0].buffers()[2]
+    assert taken_data.address != held_data.address  # a take, not a view of the input
+    # Every string byte was copied once (taken, or joined), not twice.
+    string_bytes = out["s"].array.nbytes
+    numeric = out.drop(columns="s").memory_usage(index=False).sum()
+    assert copied <= numeric + string_bytes + chunks[0].nbytes // 10
+
+
 def test_categorical_pieces_with_their_categories_in_another_order_keep_their_values():
     """Unordered categoricals compare equal whatever their categories' order,
     but their codes do not mean the same: such a piece is not filled code

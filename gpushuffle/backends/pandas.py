@@ -242,8 +242,16 @@ def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
     return first.append(indexes[1:]) if len(indexes) > 1 else first
 
 
-def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
+def _concat_column(
+    parts: list[Any], dtype: Any, pool: HostBufferPool, owned: Sequence[bool]
+) -> tuple[Any, int]:
+    """``parts`` as one array of ``dtype``, and the bytes that took copying.
+
+    ``owned[i]`` says whether ``parts[i]`` holds memory of its own (a take
+    into fresh memory) rather than a view of a larger buffer.
+    """
     first = parts[0]
+    coalesced: int | None = None  # bytes copied, where Arrow chunks were coalesced
     if all(isinstance(p, np.ndarray) for p in parts):
         out: Any = _concat_numpy(parts, pool)
     elif isinstance(dtype, pd.CategoricalDtype) or isinstance(first, pd.Categorical):
@@ -251,28 +259,74 @@ def _concat_column(parts: list[Any], dtype: Any, pool: HostBufferPool) -> Any:
         known = dtype.categories if isinstance(dtype, pd.CategoricalDtype) else None
         if known is not None and out.categories.isin(known).all():
             out = out.astype(dtype)
-        return out
+        return out, int(out.nbytes)
+    elif all(type(p) is type(first) and p.dtype == first.dtype for p in parts) and all(
+        isinstance(getattr(p, "_pa_array", None), pa.ChunkedArray) for p in parts
+    ):
+        out, coalesced = _coalesce(parts, owned)
     elif all(type(p) is type(first) and p.dtype == first.dtype for p in parts):
         out = type(first)._concat_same_type(parts)
     else:
         out = pd.concat([pd.Series(p, copy=False) for p in parts], ignore_index=True).array
-    out = _contiguous(out)
+    if coalesced is None:
+        out = _contiguous(out)
+        coalesced = 0 if len(parts) == 1 and _same_memory(out, first) else int(out.nbytes)
     if out.dtype != dtype:
         if isinstance(out, np.ndarray) and not isinstance(dtype, np.dtype):
             out = pd.Series(out, copy=False).astype(dtype).array
         else:
             out = out.astype(dtype, copy=False)
-    return out
+        coalesced = int(out.nbytes)
+    return out, coalesced
+
+
+#: An Arrow chunk of its own memory with at least this many rows stays a
+#: chunk of the output: below it, per-chunk costs of later uses outweigh
+#: the copy that joining it to its neighbours takes.
+_KEEP_CHUNK_ROWS = 1 << 16
+
+
+def _coalesce(parts: list[Any], owned: Sequence[bool]) -> tuple[Any, int]:
+    """Arrow-backed ``parts`` as one array, and the bytes copied for it.
+
+    A large chunk that owns its memory (rows taken from a borrowed input)
+    is kept as it is: combining it would copy every byte again, into fresh
+    pages.  Runs of the other chunks are combined into one chunk each:
+    small ones would slow every later use (``nbytes``, hence distributed's
+    ``sizeof`` of each output, ``take``, comparisons), and a received or
+    read-back piece is a view that would keep the whole message or read
+    buffer it came in alive after the store released it.
+    """
+    chunks: list[pa.Array] = []
+    pending: list[pa.Array] = []
+    copied = 0
+
+    def combine() -> None:
+        nonlocal copied
+        if len(pending) > 1:
+            joined = pa.concat_arrays(pending)
+            copied += joined.nbytes
+            chunks.append(joined)
+        else:
+            chunks.extend(pending)  # one view of its own: as a single piece always was
+        pending.clear()
+
+    for part, own in zip(parts, owned, strict=True):
+        for chunk in part._pa_array.iterchunks():
+            if own and len(chunk) >= _KEEP_CHUNK_ROWS:
+                combine()
+                chunks.append(chunk)
+            elif len(chunk):
+                pending.append(chunk)
+    combine()
+    first = parts[0]
+    array = pa.chunked_array(chunks, type=first._pa_array.type)
+    rebuild = getattr(first, "_from_pyarrow_array", None)
+    return (type(first)(array) if rebuild is None else rebuild(array)), copied
 
 
 def _contiguous(values: Any) -> Any:
-    """Arrow-backed ``values`` as one chunk: one copy of the string bytes.
-
-    Concatenated pieces are one chunk each (up to one per input partition):
-    every later use pays for them (``nbytes``, hence distributed's
-    ``sizeof`` of each output, ``take``, comparisons), and each chunk keeps
-    the whole message buffer it arrived in alive after the store released it.
-    """
+    """Arrow-backed ``values`` as one chunk: one copy of the string bytes."""
     chunked = getattr(values, "_pa_array", None)
     rebuild = getattr(values, "_from_pyarrow_array", None)
     if isinstance(chunked, pa.ChunkedArray) and chunked.num_chunks > 1 and rebuild is not None:
@@ -358,6 +412,8 @@ class _ColumnBuilder:
         self.position = 0
         self.copied = 0  # counted once, at the end (the counters take a lock)
         self.parts: list[Any] = []
+        #: Per part: memory of its own (a take), not a view of a larger buffer.
+        self.owned: list[bool] = []
 
     @property
     def filling(self) -> bool:
@@ -381,9 +437,10 @@ class _ColumnBuilder:
     def _stop_filling(self) -> None:
         if self.outs is not None and self.position:
             self.parts.append(self._filled())
+            self.owned.append(True)
         self.outs = None
 
-    def add(self, values: Any) -> None:
+    def add(self, values: Any, owned: bool = False) -> None:
         n = len(values)
         parts = self._fits(values) if self.filling else None
         if parts is not None:
@@ -394,6 +451,7 @@ class _ColumnBuilder:
         else:
             self._stop_filling()
             self.parts.append(values)
+            self.owned.append(owned)
         self.position += n
 
     def add_taken(self, values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> None:
@@ -415,7 +473,7 @@ class _ColumnBuilder:
             return
         taken = _take_column(values, rows, arrow_rows)
         copies.count("unpack", int(taken.nbytes))
-        self.add(taken)
+        self.add(taken, owned=True)
 
     def add_all(self, values: list[Any]) -> None:
         """:meth:`add` each of ``values``; those that fit in one copy per buffer."""
@@ -440,10 +498,11 @@ class _ColumnBuilder:
             return self._filled()
         if self.index:
             out = _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
-        else:
-            out = _concat_column(self.parts, self.dtype, self.pool)
-        if len(self.parts) != 1 or not _same_memory(out, self.parts[0]):
-            copies.count("unpack", int(out.nbytes))
+            if len(self.parts) != 1 or not _same_memory(out, self.parts[0]):
+                copies.count("unpack", int(out.nbytes))
+            return out
+        out, copied = _concat_column(self.parts, self.dtype, self.pool, self.owned)
+        copies.count("unpack", copied)
         return out
 
 

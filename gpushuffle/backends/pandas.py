@@ -282,8 +282,10 @@ def _concat_column(
 
 #: An Arrow chunk of its own memory with at least this many rows stays a
 #: chunk of the output: below it, per-chunk costs of later uses outweigh
-#: the copy that joining it to its neighbours takes.
-_KEEP_CHUNK_ROWS = 1 << 16
+#: the copy that joining it to its neighbours takes.  An output keeps at
+#: most one chunk per input partition it borrows from; dask's ``tasks``
+#: shuffle gives one chunk per input partition, whatever its size.
+_KEEP_CHUNK_ROWS = 1 << 12
 
 
 def _coalesce(parts: list[Any], owned: Sequence[bool]) -> tuple[Any, int]:

@@ -619,3 +619,90 @@ def test_categorical_pieces_with_their_categories_in_another_order_keep_their_va
     out = backend.concat(tables, meta, keep_index=False)
     assert out["c"].tolist() == ["x", "z", "x", "y", "z", "x", "z"]
     assert list(out["c"].cat.categories) == ["x", "y", "z"]
+
+
+def _over_tcp(shard: Shard) -> Shard:
+    """``shard`` sent over a real TCP comm of distributed, as workers send them."""
+    import asyncio
+
+    from distributed.comm import connect, listen
+
+    from gpushuffle.transport import wire_payload
+
+    async def main() -> Shard:
+        received: asyncio.Future[Shard] = asyncio.get_running_loop().create_future()
+
+        async def handle(comm: object) -> None:
+            message = await comm.read()  # type: ignore[attr-defined]
+            (result,) = message["data"]
+            received.set_result(result)
+            await comm.close()  # type: ignore[attr-defined]
+
+        async with listen("tcp://127.0.0.1:0", handle) as listener:
+            comm = await connect(listener.contact_address)
+            await comm.write({"data": wire_payload([shard])})
+            result = await received
+            await comm.close()
+        return result
+
+    return asyncio.run(main())
+
+
+def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output():
+    """The split cuts a shard's string columns at output partitions, so each
+    large output's strings cross the comm in buffers of their own; the
+    receiver keeps them as chunks of the output instead of copying them.
+    Rows read back from disk, or sharing a buffer, are still copied."""
+    from gpushuffle.backends import pandas as backend_module
+    from gpushuffle.engine import copies
+
+    backend = PandasBackend()
+    big = backend_module._KEEP_CHUNK_ROWS + 500
+    frame = frame_with_partitions(2 * big, 2, seed=4)
+    frame["_partitions"] = np.repeat(np.array([0, 1], np.int16), big)  # two large outputs
+    rank = np.arange(2, dtype=np.int16)
+    sent, offsets = backend.split(frame, "_partitions", rank, 2, False)
+    # Cut at the output boundary: two chunks of views, no copy.
+    assert [len(c) for c in sent.columns[2]._pa_array.chunks] == [big, big]
+    shard = Shard("pandas", 0, np.arange(2), offsets, sent, backend.nbytes(sent))
+    received = _over_tcp(shard).table
+    assert received.standalone  # TCP reads these buffers into arrays of their own
+
+    small = frame_with_partitions(300, 1, seed=5)
+    small_table, _ = backend.split(small, "_partitions", np.zeros(1, np.int16), 1, False)
+    meta = frame.iloc[:0].drop(columns="_partitions")
+    for p in range(2):
+        piece = backend.slice(received, int(offsets[p]), int(offsets[p + 1]))
+        before = copies.statistics.unpack
+        out = backend.assemble([piece, small_table], big + 300, meta, keep_index=False)
+        copied = copies.statistics.unpack - before
+        expected = pd.concat([frame[frame["_partitions"] == p], small], ignore_index=True).drop(
+            columns="_partitions"
+        )
+        pd.testing.assert_frame_equal(out, expected)
+        chunks = out["s"].array._pa_array.chunks
+        assert [len(c) for c in chunks] == [big, 300]
+        # The received chunk is the received buffers themselves.
+        assert (
+            chunks[0].buffers()[2].address
+            == piece.columns[2]._pa_array.chunk(0).buffers()[2].address
+        )
+        assert copied < out.memory_usage(index=False).sum() - chunks[0].nbytes // 2
+
+    # The same frames as views into one buffer (a file read back, a shared
+    # message buffer): nothing of it is standalone, every string is copied.
+    header, frames = backend.serialize(sent)
+    block = np.concatenate([np.frombuffer(f, np.uint8) for f in frames[1:]])
+    views, start = [], 0
+    for f in frames[1:]:
+        n = memoryview(f).nbytes
+        views.append(memoryview(block)[start : start + n])
+        start += n
+    shared = backend.deserialize(header, [frames[0], *views])
+    assert not shared.standalone
+    piece = backend.slice(shared, int(offsets[0]), int(offsets[1]))
+    out = backend.assemble([piece, small_table], big + 300, meta, keep_index=False)
+    assert out["s"].array._pa_array.num_chunks == 1
+    chunk = out["s"].array._pa_array.chunk(0)
+    block_start = block.ctypes.data
+    assert not block_start <= chunk.buffers()[2].address < block_start + block.nbytes

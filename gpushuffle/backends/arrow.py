@@ -85,6 +85,10 @@ def _view(buffer: pa.Buffer, start: int, stop: int) -> pickle.PickleBuffer:
 def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
     """The rebuild arguments of one chunk: its type, shape and cut buffers."""
     validity, *rest = array.buffers()
+    if validity is not None and array.null_count == 0:
+        # Nothing to say (a take can leave an all-valid bitmap): the chunk
+        # goes without one, and starts at its first row, not mid-byte.
+        validity = None
     # A bitmap is cut on a byte boundary: the chunk keeps the offset of its
     # first bit in that byte, and every other buffer starts at the same row.
     shift = array.offset % 8 if validity is not None else 0
@@ -142,6 +146,31 @@ def take(values: ArrowExtensionArray, indices: pa.Array) -> Any:
     Arrow array shared by every column of a split)."""
     taken = pc.take(values._pa_array, indices, boundscheck=False)  # type: ignore[attr-defined]
     return _rebuild_extension(type(values), _state(values), taken.type, taken.chunks)
+
+
+def with_chunks(values: ArrowExtensionArray, chunks: list[pa.Array]) -> Any:
+    """An array of ``values``' class and dtype made of ``chunks``."""
+    chunked = values._pa_array  # type: ignore[attr-defined]
+    return _rebuild_extension(type(values), _state(values), chunked.type, chunks)
+
+
+def made_of(chunk: pa.Array, addresses: frozenset[int]) -> bool:
+    """Whether ``chunk`` (a string or binary array) is the whole of buffers
+    that all start at one of ``addresses``: nothing of those buffers lies
+    outside it, and no other memory is part of it."""
+    offset_type = _OFFSET_TYPES.get(chunk.type)
+    if offset_type is None or chunk.offset != 0:
+        return False
+    validity, offsets, data = chunk.buffers()
+    width = np.dtype(offset_type).itemsize
+    if offsets is None or offsets.size != (len(chunk) + 1) * width:
+        return False
+    end = int(np.frombuffer(offsets, offset_type)[-1])
+    if data is None or data.size != end:
+        return False
+    if validity is not None and validity.size != (len(chunk) + 7) // 8:
+        return False
+    return all(b.address in addresses for b in (validity, offsets, data) if b is not None)
 
 
 def is_arrow(values: Any) -> bool:

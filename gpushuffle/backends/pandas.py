@@ -23,6 +23,7 @@ what the borrowed rows keep alive, and may spill them (copied out then).
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class PandasTable:
     index: pd.Index | None
     #: Column labels, for error messages only (output names come from meta).
     names: tuple[Any, ...] = ()
+    #: Addresses of the received buffers that are allocations of their own
+    #: (see :func:`_standalone`): an Arrow chunk made of such buffers alone
+    #: can become part of an output without keeping anything else alive.
+    standalone: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.columns[0]) if self.columns else len(self.index or ())
@@ -159,11 +164,19 @@ def _index_dtype(index: pd.Index) -> np.dtype | None:
 
 
 def _take_rows(
-    values: Sequence[Any], index: pd.Index | None, rows: np.ndarray, pool: HostBufferPool
+    values: Sequence[Any],
+    index: pd.Index | None,
+    rows: np.ndarray,
+    pool: HostBufferPool,
+    bounds: np.ndarray | None = None,
 ) -> tuple[list[Any], pd.Index | None]:
     """``rows`` of every column (and of ``index``), numpy data and the flat
     buffers of fixed-width extension arrays (:mod:`~gpushuffle.backends.flat`)
-    into one pooled block."""
+    into one pooled block.
+
+    ``bounds`` (the first row of each output partition in ``rows``, and
+    their end) cuts Arrow columns into chunks at output partitions (see
+    :func:`_cut_at_outputs`)."""
     # Per column: its numpy arrays to take from (one, or an extension
     # array's flat buffers), or None for a column taken by its own take.
     sources: list[tuple[np.ndarray, ...] | None] = [
@@ -178,7 +191,7 @@ def _take_rows(
     arrow_rows: list[pa.Array] = []  # shared by every Arrow column, no copy
     for v, parts in zip(values, sources, strict=True):
         if parts is None:
-            columns.append(_take_column(v, rows, arrow_rows))
+            columns.append(_take_column(v, rows, arrow_rows, bounds))
             continue
         # mode="clip" skips the bounds-check copy numpy makes with out=
         # and mode="raise"; ``rows`` are valid positions, none is clipped.
@@ -197,7 +210,9 @@ def _take_rows(
     return columns, pd.Index(out, name=index.name, copy=False)
 
 
-def _take_column(values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> Any:
+def _take_column(
+    values: Any, rows: np.ndarray, arrow_rows: list[pa.Array], bounds: np.ndarray | None = None
+) -> Any:
     """``values.take(rows)`` for valid non-negative ``rows``; ``arrow_rows``
     caches ``rows`` as an Arrow array for the next Arrow column."""
     if isinstance(values, np.ndarray):
@@ -205,8 +220,34 @@ def _take_column(values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> A
     if arrow.is_arrow(values):
         if not arrow_rows:
             arrow_rows.append(pa.array(rows))
-        return arrow.take(values, arrow_rows[0])
+        taken = arrow.take(values, arrow_rows[0])
+        return taken if bounds is None else _cut_at_outputs(taken, bounds)
     return values.take(rows)
+
+
+def _cut_at_outputs(values: Any, bounds: np.ndarray) -> Any:
+    """An Arrow-backed ``values`` of one chunk, cut (views, no copy) into
+    chunks that start at output partition boundaries and hold at least
+    ``_KEEP_CHUNK_ROWS`` rows each, the last one excepted.
+
+    The out-of-band pickler sends each chunk's buffers apart, so a receiver
+    gets an output's rows in buffers of their own whenever that output has
+    a chunk to itself, and keeps them as a chunk of the output
+    (:func:`_coalesce`) instead of copying them.
+    """
+    chunked = values._pa_array
+    if chunked.num_chunks != 1 or len(bounds) <= 2:
+        return values
+    cuts = [0]
+    for bound in bounds[1:-1].tolist():
+        if bound - cuts[-1] >= _KEEP_CHUNK_ROWS:
+            cuts.append(bound)
+    if len(cuts) == 1:
+        return values
+    cuts.append(len(values))
+    array = chunked.chunk(0)
+    pieces = [array.slice(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
+    return arrow.with_chunks(values, pieces)
 
 
 def _index_rows(index: pd.Index, rows: np.ndarray) -> pd.Index:
@@ -243,12 +284,13 @@ def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
 
 
 def _concat_column(
-    parts: list[Any], dtype: Any, pool: HostBufferPool, owned: Sequence[bool]
+    parts: list[Any], dtype: Any, pool: HostBufferPool, owned: Sequence[bool | frozenset[int]]
 ) -> tuple[Any, int]:
     """``parts`` as one array of ``dtype``, and the bytes that took copying.
 
-    ``owned[i]`` says whether ``parts[i]`` holds memory of its own (a take
-    into fresh memory) rather than a view of a larger buffer.
+    ``owned[i]`` says whether ``parts[i]`` holds memory of its own (True: a
+    take into fresh memory), or which received buffers of it are
+    allocations of their own (their addresses), rather than views.
     """
     first = parts[0]
     coalesced: int | None = None  # bytes copied, where Arrow chunks were coalesced
@@ -288,34 +330,38 @@ def _concat_column(
 _KEEP_CHUNK_ROWS = 1 << 12
 
 
-def _coalesce(parts: list[Any], owned: Sequence[bool]) -> tuple[Any, int]:
+def _coalesce(parts: list[Any], owned: Sequence[bool | frozenset[int]]) -> tuple[Any, int]:
     """Arrow-backed ``parts`` as one array, and the bytes copied for it.
 
-    A large chunk that owns its memory (rows taken from a borrowed input)
-    is kept as it is: combining it would copy every byte again, into fresh
-    pages.  Runs of the other chunks are combined into one chunk each:
-    small ones would slow every later use (``nbytes``, hence distributed's
-    ``sizeof`` of each output, ``take``, comparisons), and a received or
-    read-back piece is a view that would keep the whole message or read
-    buffer it came in alive after the store released it.
+    A large chunk that owns its memory is kept as it is: rows taken from a
+    borrowed input, or rows received in buffers of their own (the sender
+    cuts its string columns at output partitions, :func:`_cut_at_outputs`).
+    Combining it would copy every byte again, into fresh pages.  Runs of
+    the other chunks are combined into one chunk each: small ones would slow
+    every later use (``nbytes``, hence distributed's ``sizeof`` of each
+    output, ``take``, comparisons), and a view would keep the whole message
+    or read buffer it came in alive after the store released it.
     """
     chunks: list[pa.Array] = []
     pending: list[pa.Array] = []
     copied = 0
+    total = sum(part._pa_array.num_chunks for part in parts)
 
     def combine() -> None:
         nonlocal copied
-        if len(pending) > 1:
-            joined = pa.concat_arrays(pending)
+        if len(pending) > 1 or (pending and total > 1):
+            joined = pa.concat_arrays(pending)  # a copy, even of one chunk
             copied += joined.nbytes
             chunks.append(joined)
         else:
-            chunks.extend(pending)  # one view of its own: as a single piece always was
+            chunks.extend(pending)  # the column's only chunk: kept, as it always was
         pending.clear()
 
     for part, own in zip(parts, owned, strict=True):
         for chunk in part._pa_array.iterchunks():
-            if own and len(chunk) >= _KEEP_CHUNK_ROWS:
+            if len(chunk) >= _KEEP_CHUNK_ROWS and (
+                own is True or (isinstance(own, frozenset) and arrow.made_of(chunk, own))
+            ):
                 combine()
                 chunks.append(chunk)
             elif len(chunk):
@@ -414,8 +460,9 @@ class _ColumnBuilder:
         self.position = 0
         self.copied = 0  # counted once, at the end (the counters take a lock)
         self.parts: list[Any] = []
-        #: Per part: memory of its own (a take), not a view of a larger buffer.
-        self.owned: list[bool] = []
+        #: Per part: True for memory of its own (a take), else the addresses
+        #: of the received buffers that are (PandasTable.standalone).
+        self.owned: list[bool | frozenset[int]] = []
 
     @property
     def filling(self) -> bool:
@@ -442,7 +489,7 @@ class _ColumnBuilder:
             self.owned.append(True)
         self.outs = None
 
-    def add(self, values: Any, owned: bool = False) -> None:
+    def add(self, values: Any, owned: bool | frozenset[int] = False) -> None:
         n = len(values)
         parts = self._fits(values) if self.filling else None
         if parts is not None:
@@ -477,7 +524,9 @@ class _ColumnBuilder:
         copies.count("unpack", int(taken.nbytes))
         self.add(taken, owned=True)
 
-    def add_all(self, values: list[Any]) -> None:
+    def add_all(
+        self, values: list[Any], owned: Sequence[bool | frozenset[int]] | None = None
+    ) -> None:
         """:meth:`add` each of ``values``; those that fit in one copy per buffer."""
         if len(values) > 1 and self.filling:
             assert self.outs is not None
@@ -491,8 +540,8 @@ class _ColumnBuilder:
                     self.copied += chunk.nbytes
                 self.position += n
                 return
-        for v in values:
-            self.add(v)
+        for i, v in enumerate(values):
+            self.add(v, False if owned is None else owned[i])
 
     def finish(self) -> Any:
         copies.count("unpack", self.copied)
@@ -546,6 +595,24 @@ def _unpicklable(table: PandasTable, error: Exception) -> ShuffleInputError:
                 "them (for example to str) or drop the column before shuffling."
             )
     return ShuffleInputError(f"gpushuffle: a shard could not be pickled: {error!r}")
+
+
+def _standalone(frame: Any) -> bool:
+    """Whether ``frame`` is the whole of an allocation of its own (a comm's
+    receive buffer), not a view into a larger one: a read-back file mapping,
+    the buffer a message's small frames share, or the sender's own memory
+    over an in-process comm."""
+    view = memoryview(frame)
+    base = view.obj
+    if isinstance(base, bytes | bytearray):
+        return len(base) == view.nbytes
+    if isinstance(base, np.ndarray):
+        return base.base is None and base.nbytes == view.nbytes and view.c_contiguous
+    return False
+
+
+def _address(frame: Any) -> int:
+    return int(pa.py_buffer(frame).address)
 
 
 class PandasBackend(TableBackend):
@@ -620,7 +687,8 @@ class PandasBackend(TableBackend):
                 tables.append(BorrowedRows(source, rows))
                 continue
             # Each group's numpy columns share one pooled block of their own.
-            columns, taken = _take_rows(values, index, rows, pool)
+            bounds = offsets[first : last + 1] - offsets[first]
+            columns, taken = _take_rows(values, index, rows, pool, bounds)
             table = PandasTable(columns, taken, names)
             copied += _nbytes(table)
             tables.append(table)
@@ -636,6 +704,7 @@ class PandasBackend(TableBackend):
             [c[start:stop] for c in table.columns],
             None if table.index is None else table.index[start:stop],
             table.names,
+            table.standalone,
         )
 
     def assemble(
@@ -674,8 +743,9 @@ class PandasBackend(TableBackend):
             nonlocal batch_bytes
             if not batch:
                 return
+            standalone = [t.standalone for t in batch]
             for i, builder in enumerate(columns):
-                builder.add_all([t.columns[i] for t in batch])
+                builder.add_all([t.columns[i] for t in batch], standalone)
             if keep_index:
                 if index_builder is not None:
                     index_builder.add_all([t.index.values for t in batch])  # type: ignore[union-attr]
@@ -766,4 +836,5 @@ class PandasBackend(TableBackend):
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> PandasTable:
         columns, index = pickle.loads(frames[0], buffers=frames[1:])
         copies.count("deserialize", memoryview(frames[0]).nbytes)
-        return PandasTable(columns, index)
+        standalone = frozenset(_address(f) for f in frames[1:] if _standalone(f))
+        return PandasTable(columns, index, standalone=standalone)

@@ -176,7 +176,7 @@ def _take_rows(
 
     ``bounds`` (the first row of each output partition in ``rows``, and
     their end) cuts Arrow columns into chunks at output partitions (see
-    :func:`_cut_at_outputs`)."""
+    :func:`_output_cuts`)."""
     # Per column: its numpy arrays to take from (one, or an extension
     # array's flat buffers), or None for a column taken by its own take.
     sources: list[tuple[np.ndarray, ...] | None] = [
@@ -189,9 +189,10 @@ def _take_rows(
     carved = iter(_carve(pool, len(rows), dtypes, "split"))
     columns: list[Any] = []
     arrow_rows: list[pa.Array] = []  # shared by every Arrow column, no copy
+    cuts = None if bounds is None else _output_cuts(bounds)
     for v, parts in zip(values, sources, strict=True):
         if parts is None:
-            columns.append(_take_column(v, rows, arrow_rows, bounds))
+            columns.append(_take_column(v, rows, arrow_rows, cuts))
             continue
         # mode="clip" skips the bounds-check copy numpy makes with out=
         # and mode="raise"; ``rows`` are valid positions, none is clipped.
@@ -211,43 +212,42 @@ def _take_rows(
 
 
 def _take_column(
-    values: Any, rows: np.ndarray, arrow_rows: list[pa.Array], bounds: np.ndarray | None = None
+    values: Any, rows: np.ndarray, arrow_rows: list[pa.Array], cuts: list[int] | None = None
 ) -> Any:
     """``values.take(rows)`` for valid non-negative ``rows``; ``arrow_rows``
-    caches ``rows`` as an Arrow array for the next Arrow column."""
+    caches ``rows`` as an Arrow array for the next Arrow column; an Arrow
+    result is cut into chunks at ``cuts`` (:func:`_output_cuts`)."""
     if isinstance(values, np.ndarray):
         return np.take(values, rows, mode="clip")
     if arrow.is_arrow(values):
         if not arrow_rows:
             arrow_rows.append(pa.array(rows))
         taken = arrow.take(values, arrow_rows[0])
-        return taken if bounds is None else _cut_at_outputs(taken, bounds)
+        chunked = taken._pa_array
+        if not cuts or chunked.num_chunks != 1:
+            return taken
+        array = chunked.chunk(0)
+        bounds = [0, *cuts, len(array)]
+        pieces = [array.slice(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
+        return arrow.with_chunks(taken, pieces)
     return values.take(rows)
 
 
-def _cut_at_outputs(values: Any, bounds: np.ndarray) -> Any:
-    """An Arrow-backed ``values`` of one chunk, cut (views, no copy) into
-    chunks that start at output partition boundaries and hold at least
-    ``_KEEP_CHUNK_ROWS`` rows each, the last one excepted.
+def _output_cuts(bounds: np.ndarray) -> list[int]:
+    """Where to cut a group's Arrow columns: at output partition boundaries
+    (``bounds``: the first row of each output in the group, and their end),
+    each chunk of at least ``_KEEP_CHUNK_ROWS`` rows but perhaps the last.
 
-    The out-of-band pickler sends each chunk's buffers apart, so a receiver
-    gets an output's rows in buffers of their own whenever that output has
-    a chunk to itself, and keeps them as a chunk of the output
-    (:func:`_coalesce`) instead of copying them.
+    The cuts are views, no copy.  The out-of-band pickler sends each chunk's
+    buffers apart, so a receiver gets an output's rows in buffers of their
+    own whenever that output has a chunk to itself, and keeps them as a
+    chunk of the output (:func:`_coalesce`) instead of copying them.
     """
-    chunked = values._pa_array
-    if chunked.num_chunks != 1 or len(bounds) <= 2:
-        return values
     cuts = [0]
     for bound in bounds[1:-1].tolist():
         if bound - cuts[-1] >= _KEEP_CHUNK_ROWS:
             cuts.append(bound)
-    if len(cuts) == 1:
-        return values
-    cuts.append(len(values))
-    array = chunked.chunk(0)
-    pieces = [array.slice(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
-    return arrow.with_chunks(values, pieces)
+    return cuts[1:]
 
 
 def _index_rows(index: pd.Index, rows: np.ndarray) -> pd.Index:
@@ -293,7 +293,8 @@ def _concat_column(
     allocations of their own (their addresses), rather than views.
     """
     first = parts[0]
-    coalesced: int | None = None  # bytes copied, where Arrow chunks were coalesced
+    copied: int | None = None  # known already where Arrow chunks were coalesced
+    same_type = all(type(p) is type(first) and p.dtype == first.dtype for p in parts)
     if all(isinstance(p, np.ndarray) for p in parts):
         out: Any = _concat_numpy(parts, pool)
     elif isinstance(dtype, pd.CategoricalDtype) or isinstance(first, pd.Categorical):
@@ -302,24 +303,22 @@ def _concat_column(
         if known is not None and out.categories.isin(known).all():
             out = out.astype(dtype)
         return out, int(out.nbytes)
-    elif all(type(p) is type(first) and p.dtype == first.dtype for p in parts) and all(
-        isinstance(getattr(p, "_pa_array", None), pa.ChunkedArray) for p in parts
-    ):
-        out, coalesced = _coalesce(parts, owned)
-    elif all(type(p) is type(first) and p.dtype == first.dtype for p in parts):
+    elif same_type and all(arrow.is_arrow(p) for p in parts):
+        out, copied = _coalesce(parts, owned)
+    elif same_type:
         out = type(first)._concat_same_type(parts)
     else:
         out = pd.concat([pd.Series(p, copy=False) for p in parts], ignore_index=True).array
-    if coalesced is None:
+    if copied is None:
         out = _contiguous(out)
-        coalesced = 0 if len(parts) == 1 and _same_memory(out, first) else int(out.nbytes)
+        copied = 0 if len(parts) == 1 and _same_memory(out, first) else int(out.nbytes)
     if out.dtype != dtype:
         if isinstance(out, np.ndarray) and not isinstance(dtype, np.dtype):
             out = pd.Series(out, copy=False).astype(dtype).array
         else:
             out = out.astype(dtype, copy=False)
-        coalesced = int(out.nbytes)
-    return out, coalesced
+        copied = int(out.nbytes)
+    return out, copied
 
 
 #: An Arrow chunk of its own memory with at least this many rows stays a
@@ -335,7 +334,7 @@ def _coalesce(parts: list[Any], owned: Sequence[bool | frozenset[int]]) -> tuple
 
     A large chunk that owns its memory is kept as it is: rows taken from a
     borrowed input, or rows received in buffers of their own (the sender
-    cuts its string columns at output partitions, :func:`_cut_at_outputs`).
+    cuts its string columns at output partitions, :func:`_output_cuts`).
     Combining it would copy every byte again, into fresh pages.  Runs of
     the other chunks are combined into one chunk each: small ones would slow
     every later use (``nbytes``, hence distributed's ``sizeof`` of each
@@ -367,10 +366,7 @@ def _coalesce(parts: list[Any], owned: Sequence[bool | frozenset[int]]) -> tuple
             elif len(chunk):
                 pending.append(chunk)
     combine()
-    first = parts[0]
-    array = pa.chunked_array(chunks, type=first._pa_array.type)
-    rebuild = getattr(first, "_from_pyarrow_array", None)
-    return (type(first)(array) if rebuild is None else rebuild(array)), copied
+    return arrow.with_chunks(parts[0], chunks), copied
 
 
 def _contiguous(values: Any) -> Any:

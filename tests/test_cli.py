@@ -392,6 +392,48 @@ def test_interrupted_while_writing_leaves_no_output(how, status, word, events, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow_unpack.py", "unpacking"]
 
 
+def test_embedded_workers_drop_a_failed_heartbeat_only_while_they_shut_down(caplog):
+    """The race behind a traceback seen on SIGTERM: a heartbeat in flight as the cluster closes.
+
+    The embedded cluster's worker preload leaves that record out once its
+    worker is closing; the same failure while the worker runs still shows.
+    """
+    import asyncio
+    import logging
+
+    from distributed import Scheduler, Worker
+
+    from gpushuffle import _embedded_worker
+
+    message = "Failed to communicate with scheduler during heartbeat."
+    logger = logging.getLogger("distributed.worker")
+    filters = list(logger.filters)
+    sigint = signal.getsignal(signal.SIGINT)
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with Scheduler(dashboard_address=":0") as s, Worker(s.address) as w:
+            _embedded_worker.dask_setup(w)
+            caplog.clear()
+            logger.error(message)
+            while_running = [r.getMessage() for r in caplog.records]
+            await w.close()
+            caplog.clear()
+            logger.error(message)
+            logger.error("another error while closing")
+            while_closed = [r.getMessage() for r in caplog.records]
+        return while_running, while_closed
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="distributed.worker"):
+            while_running, while_closed = asyncio.run(run())
+    finally:
+        logger.filters[:] = filters
+        signal.signal(signal.SIGINT, sigint)
+        logging.getLogger("distributed.worker.state_machine").setLevel(logging.NOTSET)
+    assert while_running == [message]
+    assert while_closed == ["another error while closing"]
+
+
 # -- errors: one line on stderr, exit status 2 ---------------------------------
 
 

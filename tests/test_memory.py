@@ -102,6 +102,84 @@ def test_each_destination_is_split_into_buffers_of_its_own():
     assert usage["free"] == in_use - usage["split"]
 
 
+def _thp_eligible(address: int) -> int | None:
+    """The kernel's THPeligible for the mapping holding ``address`` (None: not shown)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            field, *rest = line.split()
+            if "-" in field and not field.endswith(":"):
+                low, high = (int(x, 16) for x in field.split("-"))
+                inside = low <= address < high
+            elif inside and field == "THPeligible:":
+                return int(rest[0])
+    return None
+
+
+def test_pool_advises_huge_pages_only_when_told_to():
+    from gpushuffle.engine.pool import HostBufferPool
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[madvise]" not in mode:
+        pytest.skip(f"transparent huge pages are {mode.strip()!r}, not 'madvise'")
+    eligible = {}
+    for huge in (True, False):
+        pool = HostBufferPool(limit=64 << 20, idle_release=0, huge_pages=huge)
+        block = pool.empty(16 << 20, np.uint8)
+        eligible[huge] = _thp_eligible(block.ctypes.data)
+        assert pool.statistics.huge_pages == int(huge)
+    assert eligible == {True: 1, False: 0}
+
+
+def _fake_sys(root, order=9, huge=2 << 20, balloon_features="0110010100000001"):
+    """A /sys tree with page reporting and a virtio balloon (a stand-in for other machines)."""
+    (root / "module/page_reporting/parameters").mkdir(parents=True)
+    (root / "module/page_reporting/parameters/page_reporting_order").write_text(f"{order}\n")
+    (root / "kernel/mm/transparent_hugepage").mkdir(parents=True)
+    (root / "kernel/mm/transparent_hugepage/hpage_pmd_size").write_text(f"{huge}\n")
+    for name, device, features in [
+        ("virtio0", "0x0002", "1" * 32),  # a block device: its bit 5 means something else
+        ("virtio1", "0x0005", balloon_features),
+    ]:
+        if features is None:
+            continue
+        (root / "bus/virtio/devices" / name).mkdir(parents=True)
+        (root / "bus/virtio/devices" / name / "device").write_text(device + "\n")
+        (root / "bus/virtio/devices" / name / "features").write_text(features + "\n")
+    return str(root)
+
+
+def test_free_page_reporting_is_recognised_from_sysfs(tmp_path):
+    from gpushuffle.engine.pool import free_pages_reported
+
+    assert free_pages_reported(_fake_sys(tmp_path / "reporting"))
+    # Reports only blocks larger than a huge page: huge pages stay cheap.
+    assert not free_pages_reported(_fake_sys(tmp_path / "order-10", order=10))
+    # A balloon without free page reporting (bit 5 clear), or no balloon.
+    assert not free_pages_reported(_fake_sys(tmp_path / "no-bit", balloon_features="0110000"))
+    assert not free_pages_reported(_fake_sys(tmp_path / "no-balloon", balloon_features=None))
+    # A kernel without page reporting.
+    assert not free_pages_reported(str(tmp_path / "empty"))
+
+
+def test_huge_pages_setting_takes_booleans_and_auto(monkeypatch):
+    from gpushuffle.engine import pool as pool_module
+
+    assert pool_module.huge_pages_setting(True) is True
+    assert pool_module.huge_pages_setting("False") is False
+    for reported in (True, False):
+        monkeypatch.setattr(pool_module, "free_pages_reported", lambda r=reported: r)
+        assert pool_module.huge_pages_setting("auto") is (not reported)
+    with pytest.raises(ValueError, match=r"host-pool\.huge-pages must be true, false or 'auto'"):
+        pool_module.huge_pages_setting("sometimes")
+    with dask.config.set({"gpushuffle.memory.host-pool.huge-pages": False}):
+        assert pool_module._make_pool().huge_pages is False
+
+
 def _rss_now() -> int:
     import psutil
 

@@ -409,6 +409,8 @@ def test_embedded_workers_drop_a_failed_heartbeat_only_while_they_shut_down(capl
     logger = logging.getLogger("distributed.worker")
     filters = list(logger.filters)
     sigint = signal.getsignal(signal.SIGINT)
+    state_machine = logging.getLogger("distributed.worker.state_machine")
+    state_machine_level = state_machine.level
 
     async def run() -> tuple[list[str], list[str]]:
         async with Scheduler(dashboard_address=":0") as s, Worker(s.address) as w:
@@ -429,7 +431,7 @@ def test_embedded_workers_drop_a_failed_heartbeat_only_while_they_shut_down(capl
     finally:
         logger.filters[:] = filters
         signal.signal(signal.SIGINT, sigint)
-        logging.getLogger("distributed.worker.state_machine").setLevel(logging.NOTSET)
+        state_machine.setLevel(state_machine_level)
     assert while_running == [message]
     assert while_closed == ["another error while closing"]
 

@@ -132,7 +132,8 @@ _VIRTIO_BALLOON_F_REPORTING = 5
 def huge_pages_setting(value: Any) -> bool:
     """``gpushuffle.memory.host-pool.huge-pages`` as a bool ("auto" decided here)."""
     if isinstance(value, str):
-        value = {"true": True, "false": False}.get(value.strip().lower(), value.strip().lower())
+        word = value.strip().lower()
+        value = {"true": True, "false": False}.get(word, word)
     if value == "auto":
         return not free_pages_reported()
     if isinstance(value, bool):

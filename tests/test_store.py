@@ -462,3 +462,41 @@ def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill
         p: pd.concat([expected[p], other[other.pid == p].drop(columns="pid")]) for p in range(4)
     }
     _assert_reads_back(store, backend, memory, truth)
+
+
+def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
+    """Each put checks what borrowed groups keep alive of their inputs, but
+    not every group on every put: with many input partitions that cost grew
+    with the square of their number (a second of the event loop per worker
+    at 1,000 partitions).  Checks per put stay bounded, and an input let go
+    of is still charged and spilled by the puts that follow."""
+
+    class CountingBackend(PandasBackend):
+        checks = 0
+
+        def unshared_bytes(self, table):
+            CountingBackend.checks += 1
+            return super().unshared_bytes(table)
+
+    backend = CountingBackend()
+    memory = make_memory(host=64 << 10)
+    store = store_for(backend, memory, tmp_path)
+    n = 300
+    held = [_input_frame(20, seed=s) for s in range(n)]
+    for i, frame in enumerate(held):
+        asyncio.run(store.put(_borrowed_shard(frame.copy(deep=False), 4, input_partition=i)))
+    # Quadratic: n * (n + 1) / 2 = 45,150 checks; one per put for the shard
+    # itself plus at most about _RECHARGE_PER_PUT per put for the others.
+    assert CountingBackend.checks <= n * 40
+    assert memory.moves.get(("host", "disk")) is None  # every input still held
+
+    expected = {p: pd.concat([f[f.pid == p].drop(columns="pid") for f in held]) for p in range(4)}
+    held.clear()  # the caller lets go: the borrowed rows alone keep the inputs
+    for i in range(n, n + 20):
+        extra = _input_frame(20, seed=i)
+        asyncio.run(store.put(_borrowed_shard(extra, 4, input_partition=i)))
+        for p in range(4):
+            expected[p] = pd.concat([expected[p], extra[extra.pid == p].drop(columns="pid")])
+    assert memory.moves[("host", "disk")].bytes > 64 << 10
+    assert memory.host.bytes <= 64 << 10
+    _assert_reads_back(store, backend, memory, expected)

@@ -6,9 +6,10 @@ shards moved off the GPU), disk (files under the worker's local directory).
 A shard of rows *borrowed* from an input partition the worker holds anyway
 (:meth:`~gpushuffle.backends.base.TableBackend.unshared_bytes`) is charged
 only what it alone keeps alive: nothing while the worker holds the input.
-Before each put makes room, such groups are charged anew, so an input the
-worker let go of counts against the budget (and is spilled like any other
-group: its rows copied out, then written).
+Puts charge such groups anew as they make room (every put while there are
+few; with many, every so many puts, so that a put's checks stay a constant
+number), so an input the worker let go of counts against the budget (and
+is spilled like any other group: its rows copied out, then written).
 
 What is stored are *pieces*: the rows of one output partition that came from
 one input partition.  A received shard is not copied into pieces; its pieces
@@ -52,6 +53,13 @@ from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
+
+#: Borrowed groups a put checks, on average: with more than this, a put
+#: checks them all only every ``len(borrowed) / _RECHARGE_PER_PUT`` puts.
+#: Checking every group on every put made a run's checks grow with the
+#: square of its inputs: at 1,000 input partitions, a second of the event
+#: loop's time per worker and run.
+_RECHARGE_PER_PUT = 32
 
 
 @dataclass(frozen=True)
@@ -156,6 +164,7 @@ class ShardStore:
         self._groups: dict[int, _Group] = {}  # insertion order is age
         self._borrowed: dict[int, _Group] = {}  # the groups of borrowed rows
         self._next_group = 0
+        self._puts_unchecked = 0  # puts since the borrowed groups were last checked
         self._lock = threading.Lock()  # accounting, shared with unpack threads
         self._evicting = asyncio.Lock()
         self._closed = False
@@ -230,7 +239,7 @@ class ShardStore:
             self._evicting.release()
 
     async def _make_room(self) -> None:
-        self._recharge_borrowed()
+        self._recharge_borrowed(every_time=False)
         await self._move_down_while_over()
         await self._wait_until_within(HOST)
 
@@ -286,9 +295,18 @@ class ShardStore:
                 self._memory.shed()
         return moved
 
-    def _recharge_borrowed(self) -> None:
-        """Charge groups of borrowed rows for what of their input the worker let go of."""
+    def _recharge_borrowed(self, every_time: bool = True) -> None:
+        """Charge groups of borrowed rows for what of their input the worker let go of.
+
+        Without ``every_time`` (a put), only once the puts since the last
+        check make up for their number (:data:`_RECHARGE_PER_PUT`).
+        """
         with self._lock:
+            if not every_time:
+                self._puts_unchecked += 1
+                if self._puts_unchecked * _RECHARGE_PER_PUT < len(self._borrowed):
+                    return
+            self._puts_unchecked = 0
             for group in self._borrowed.values():
                 unshared = self._backend.unshared_bytes(group.borrowed) or 0
                 if unshared > group.nbytes:

@@ -659,21 +659,24 @@ class PandasBackend(TableBackend):
         # Rows of rank ``nranks`` belong to outputs nobody asked for: they sort
         # last and no group takes them.
         position = frame.columns.get_loc(column)
-        values = [_column_values(frame, i) for i in range(frame.shape[1]) if i != position]
         names = tuple(c for i, c in enumerate(frame.columns) if i != position)
-        index = frame.index if keep_index else None
         pool = host_pool()
+        borrowing = borrow is not None and _borrowable(frame)
+        if borrowing:
+            # The store's own shallow copy (see _Source), whose columns serve
+            # the groups taken here as well: it shares every block with the input.
+            frame = frame.copy(deep=False)
+        values = [_column_values(frame, i) for i in range(frame.shape[1]) if i != position]
+        index = frame.index if keep_index else None
         source = None
-        if borrow is not None and _borrowable(frame):
-            mine = frame.copy(deep=False)
-            nbytes = _nbytes(PandasTable(values, index))
+        if borrowing:
             source = _Source(
-                frame=mine,
-                values=[_column_values(mine, i) for i in range(mine.shape[1]) if i != position],
-                index=mine.index if keep_index else None,
+                frame=frame,
+                values=values,
+                index=index,
                 names=names,
                 nrows=len(frame),
-                row_bytes=nbytes / max(len(frame), 1),
+                row_bytes=_nbytes(PandasTable(values, index)) / max(len(frame), 1),
             )
         tables: list[PandasTable | BorrowedRows] = []
         copied = 0

@@ -1,4 +1,4 @@
-"""The one place that imports private modules of ``distributed`` and ``dask``.
+"""The one place that imports private modules of ``distributed``, ``dask`` and ``pandas``.
 
 gpushuffle builds on distributed's P2P shuffle core (run ids, the barrier,
 restarts on worker loss, output-worker restrictions) and hooks into dask-expr's
@@ -10,6 +10,9 @@ Checked against dask and distributed 2026.7.1 and 2026.8.0, whose
 hook also uses
 ``dask_expr/_merge.py`` (``Merge._lower``, ``HashJoinP2P``, ``BroadcastJoin``)
 and ``dask/dataframe/multi.py`` (``merge_chunk``), also identical in both.
+pandas' ``combine_hash_arrays`` is how ``hash_pandas_object`` combines the
+hashes of a frame's columns (unchanged from pandas 1.x to 3.1), which
+:mod:`gpushuffle.engine.partitioning` needs to give dask's partition ids.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ from distributed.shuffle._exceptions import (
 )
 from distributed.shuffle._limiter import ResourceLimiter
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
+from pandas.core.util.hashing import combine_hash_arrays  # type: ignore[attr-defined]
+from pandas.util import hash_array
 
 
 def known_run(
@@ -104,8 +109,10 @@ __all__ = [
     "_select_columns_or_index",
     "_tokenize_deterministic",
     "barrier_key",
+    "combine_hash_arrays",
     "get_default_shuffle_method",
     "get_worker_plugin",
+    "hash_array",
     "known_run",
     "merge_chunk",
     "partitioning_index",

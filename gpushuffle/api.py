@@ -46,6 +46,7 @@ from gpushuffle._distributed import (
 )
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.join import PARTITION_COLUMN, join_transfer, join_unpack
+from gpushuffle.engine.partitioning import PartitioningIndex
 from gpushuffle.engine.spec import GPUShuffleSpec
 from gpushuffle.engine.tasks import barrier as barrier_task
 from gpushuffle.engine.tasks import transfer, unpack
@@ -172,10 +173,14 @@ def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
     method = self.method or get_default_shuffle_method()
     if not takes_gpushuffle(method, self.frame._meta):
         return _dask_lower(self)
+    frame = self.frame
+    if type(frame) is AssignPartitioningIndex:
+        # The same ids, with less of pandas' overhead (engine.partitioning).
+        frame = PartitioningIndex(*frame.operands)
     # Like p2p, no Repartition first when reducing the partition count: the
     # shuffle itself maps any number of inputs to any number of outputs.
     return GPUShuffle(
-        self.frame,
+        frame,
         self.partitioning_index,
         self.npartitions_out,
         self.ignore_index,

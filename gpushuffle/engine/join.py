@@ -24,6 +24,7 @@ from gpushuffle._distributed import (
     partitioning_index,
 )
 from gpushuffle.backends import backend_for
+from gpushuffle.engine.partitioning import hash_partitions, plain_keys
 from gpushuffle.engine.tasks import _phase_errors, get_output, transfer
 
 #: The partition-id column added to each side before its transfer (dask's
@@ -38,6 +39,12 @@ def partition_ids(df: Any, on: Any, npartitions: int, index_merge: bool) -> Any:
     float key on the other hash alike), then ``partitioning_index``; the
     result lines up with dask's ``tasks`` and ``p2p`` shuffles of the same key.
     """
+    # Plain column keys of a pandas frame: the same ids with less of pandas'
+    # overhead (gpushuffle.engine.partitioning).  The data's dtypes decide
+    # the casts here, as in dask's hash join.
+    plain = None if index_merge else plain_keys(df, on, df)
+    if plain is not None:
+        return hash_partitions(plain, npartitions)
     if index_merge:
         keys = df[[]].copy()
         keys["_index"] = df.index

@@ -706,3 +706,31 @@ def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output(
     chunk = out["s"].array._pa_array.chunk(0)
     block_start = block.ctypes.data
     assert not block_start <= chunk.buffers()[2].address < block_start + block.nbytes
+
+
+@pytest.mark.parametrize(
+    ("nrows", "nparts", "borrowed"),
+    [(64_000, 8, True), (2_000, 500, False)],  # 8,000 and 4 rows per output partition
+)
+def test_a_local_group_is_borrowed_only_when_its_pieces_are_large(nrows, nparts, borrowed):
+    """Borrowed rows cost a gather per column for every piece at unpack: with
+    many output partitions and few rows each, the split copies the local
+    group instead (once per column for the whole group), and the pieces
+    come out the same either way."""
+    from gpushuffle.backends.pandas import BorrowedRows
+
+    backend = PandasBackend()
+    df = frame_with_partitions(nrows, nparts, seed=3)
+    rank = np.arange(nparts, dtype=np.int16)
+    half = nparts // 2
+    groups = [(0, half), (half, nparts)]
+    tables, offsets = backend.split_groups(df, "_partitions", rank, nparts, True, groups, borrow=1)
+    local = tables[1]
+    assert isinstance(local, BorrowedRows) == borrowed
+    meta = df.iloc[:0].drop(columns="_partitions")
+    start = int(offsets[half])
+    for p in range(half, nparts):
+        piece = backend.slice(local, int(offsets[p]) - start, int(offsets[p + 1]) - start)
+        out = backend.concat([piece], meta, keep_index=True)
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        pd.testing.assert_frame_equal(out, expected)

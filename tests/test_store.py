@@ -479,10 +479,11 @@ def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
             return super().unshared_bytes(table)
 
     backend = CountingBackend()
-    memory = make_memory(host=64 << 10)
+    memory = make_memory(host=256 << 10)
     store = store_for(backend, memory, tmp_path)
     n = 300
-    held = [_input_frame(20, seed=s) for s in range(n)]
+    # Large enough pieces to be borrowed (_BORROW_MIN_PIECE_ROWS).
+    held = [_input_frame(2048, seed=s) for s in range(n)]
     for i, frame in enumerate(held):
         asyncio.run(store.put(_borrowed_shard(frame.copy(deep=False), 4, input_partition=i)))
     # Quadratic: n * (n + 1) / 2 = 45,150 checks; one per put for the shard
@@ -493,10 +494,10 @@ def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
     expected = {p: pd.concat([f[f.pid == p].drop(columns="pid") for f in held]) for p in range(4)}
     held.clear()  # the caller lets go: the borrowed rows alone keep the inputs
     for i in range(n, n + 20):
-        extra = _input_frame(20, seed=i)
+        extra = _input_frame(2048, seed=i)
         asyncio.run(store.put(_borrowed_shard(extra, 4, input_partition=i)))
         for p in range(4):
             expected[p] = pd.concat([expected[p], extra[extra.pid == p].drop(columns="pid")])
-    assert memory.moves[("host", "disk")].bytes > 64 << 10
-    assert memory.host.bytes <= 64 << 10
+    assert memory.moves[("host", "disk")].bytes > 256 << 10
+    assert memory.host.bytes <= 256 << 10
     _assert_reads_back(store, backend, memory, expected)

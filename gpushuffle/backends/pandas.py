@@ -15,7 +15,9 @@ The rows an input partition keeps on its own worker need not be copied at
 all when the worker holds that partition anyway (a persisted frame, or one
 that other tasks still need): the split then *borrows* them
 (:class:`BorrowedRows`, the input and the rows' positions) and the unpack
-gathers them straight into the output.  Whether the worker still holds the
+gathers them straight into the output, a gather per column for each output
+partition; where those get only a few rows each, the split copies them
+instead (:data:`_BORROW_MIN_PIECE_ROWS`).  Whether the worker still holds the
 input is read from pandas' copy-on-write references
 (:meth:`PandasBackend.unshared_bytes`): once it lets go, the store charges
 what the borrowed rows keep alive, and may spill them (copied out then).
@@ -113,6 +115,22 @@ class BorrowedRows:
 
     def __reduce__(self) -> Any:
         refuse_pickle(self)
+
+
+#: Rows a borrowed group's output partitions get on average, at least.
+#: Each borrowed piece costs a gather per column at unpack, from its own
+#: input: with many output partitions and small inputs, pieces of a few rows
+#: cost that call for every row (at 1,000 x 1,000 partitions of 50 rows,
+#: 425 gathers per input instead of 17 for a copy at the split), while what
+#: a copy of such a group keeps in memory is small, and charged to the store.
+_BORROW_MIN_PIECE_ROWS = 256
+
+
+def _worth_borrowing(counts: np.ndarray, first: int, last: int) -> bool:
+    """Whether the group of ranks ``first`` to ``last - 1`` is worth borrowing
+    (``counts``: rows per rank)."""
+    pieces = int(np.count_nonzero(counts[first:last]))
+    return pieces > 0 and int(counts[first:last].sum()) >= _BORROW_MIN_PIECE_ROWS * pieces
 
 
 def _borrowable(frame: pd.DataFrame) -> bool:
@@ -660,18 +678,16 @@ class PandasBackend(TableBackend):
         # last and no group takes them.
         position = frame.columns.get_loc(column)
         names = tuple(c for i, c in enumerate(frame.columns) if i != position)
-        pool = host_pool()
-        borrowing = borrow is not None and _borrowable(frame)
-        if borrowing:
-            # The store's own shallow copy (see _Source), whose columns serve
-            # the groups taken here as well: it shares every block with the input.
-            frame = frame.copy(deep=False)
         values = [_column_values(frame, i) for i in range(frame.shape[1]) if i != position]
         index = frame.index if keep_index else None
+        pool = host_pool()
         source = None
-        if borrowing:
+        if borrow is not None and _worth_borrowing(counts, *groups[borrow]) and _borrowable(frame):
             source = _Source(
-                frame=frame,
+                # The store's own shallow copy: it shares the input's blocks
+                # (and ``values`` view them), so pandas' references tell
+                # whether anything else still holds them.
+                frame=frame.copy(deep=False),
                 values=values,
                 index=index,
                 names=names,

@@ -17,6 +17,7 @@ from gpushuffle.errors import (
     ShuffleDiskFullError,
     ShuffleInputError,
     ShuffleMemoryError,
+    ShuffleSchedulerError,
 )
 
 try:
@@ -32,6 +33,7 @@ __all__ = [
     "ShuffleDiskFullError",
     "ShuffleInputError",
     "ShuffleMemoryError",
+    "ShuffleSchedulerError",
     "__version__",
     "shuffle",
     "statistics",

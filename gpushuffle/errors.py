@@ -9,6 +9,22 @@ class ShuffleInputError(ValueError):
     """The data cannot be shuffled as given; the message names the fix."""
 
 
+class ShuffleSchedulerError(RuntimeError):
+    """A gpushuffle graph was computed without a distributed cluster."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "gpushuffle runs on Dask's distributed scheduler, and this task is not "
+            "running on a distributed worker (one of dask's local schedulers, "
+            "'sync', 'threads' or 'processes', is computing it). Create a client "
+            "first (`from distributed import Client; client = Client()`), or choose "
+            "a shuffle method that runs anywhere (`shuffle_method='tasks'`)."
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (type(self), ())
+
+
 class ShuffleMemoryError(MemoryError):
     """Received shards do not fit the memory budget and cannot move to disk."""
 

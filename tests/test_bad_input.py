@@ -114,3 +114,25 @@ def test_unpicklable_values_name_the_column(client):
             match=r"column 'lock' of input partition \d holds values that cannot be pickled",
         ):
             shuffled.compute()
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_without_a_distributed_cluster_the_error_says_to_start_one(scheduler):
+    """dask's local schedulers cannot run a P2P shuffle: the error names
+    gpushuffle, the missing client and the method that runs anywhere, not
+    distributed's message about ``shuffle='p2p'``."""
+    pdf = make_frame(200)
+    df = dd.from_pandas(pdf, npartitions=3)
+    other = dd.from_pandas(pdf[["key"]].drop_duplicates(), npartitions=2)
+    for collection in (
+        df.shuffle(on="key", shuffle_method="gpushuffle"),
+        df.merge(other, on="key", shuffle_method="gpushuffle"),
+    ):
+        with pytest.raises(gpushuffle.ShuffleSchedulerError) as info:
+            collection.compute(scheduler=scheduler)
+        message = str(info.value)
+        assert "distributed" in message and "Client()" in message, message
+        assert "shuffle_method='tasks'" in message and "p2p" not in message, message
+    # With the method that runs anywhere, the same data shuffles.
+    out = df.shuffle(on="key", shuffle_method="tasks").compute(scheduler=scheduler)
+    assert len(out) == len(pdf)

@@ -14,7 +14,7 @@ from collections.abc import Generator
 from typing import Any
 
 from distributed.exceptions import Reschedule
-from distributed.worker import thread_state
+from distributed.worker import get_worker, thread_state
 
 from gpushuffle._distributed import (
     P2PConsistencyError,
@@ -29,6 +29,7 @@ from gpushuffle.errors import (
     ShuffleDiskFullError,
     ShuffleInputError,
     ShuffleMemoryError,
+    ShuffleSchedulerError,
 )
 
 
@@ -48,16 +49,31 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
         ShuffleMemoryError,
         ShuffleDiskFullError,
         ShuffleCommError,
+        ShuffleSchedulerError,
     ):
         raise
     except Exception as e:
         raise RuntimeError(f"gpushuffle {id} failed during {what}: {type(e).__name__}: {e}") from e
 
 
+def _worker_plugin() -> Any:
+    """distributed's shuffle plugin of the worker running this task.
+
+    Off a worker (a graph computed by one of dask's local schedulers),
+    distributed's own lookup says "`shuffle='p2p'` requires ...", which
+    names a method the user did not choose.
+    """
+    try:
+        get_worker()
+    except ValueError:
+        raise ShuffleSchedulerError() from None
+    return get_worker_plugin()
+
+
 def transfer(input: Any, id: ShuffleId, input_partition: int) -> int:
     """Split one input partition and hand its shards to their workers."""
     with _phase_errors(id, f"transfer of input partition {input_partition}"):
-        plugin = get_worker_plugin()
+        plugin = _worker_plugin()
         run = known_run(plugin, id)
         if run is None:
             return plugin.add_partition(input, input_partition, id)
@@ -66,7 +82,7 @@ def transfer(input: Any, id: ShuffleId, input_partition: int) -> int:
 
 def get_output(id: ShuffleId, barrier_run_id: int, partition: int) -> Any:
     """Output ``partition`` of run ``barrier_run_id`` of shuffle ``id``, built on this worker."""
-    plugin = get_worker_plugin()
+    plugin = _worker_plugin()
     run = known_run(plugin, id, barrier_run_id)
     if run is None:
         return plugin.get_output_partition(id, barrier_run_id, partition)
@@ -87,8 +103,8 @@ def barrier(id: ShuffleId, *run_ids: int) -> int:
     barrier phase".
     """
     try:
-        return get_worker_plugin().barrier(id, run_ids)
-    except (Reschedule, P2PConsistencyError, P2POutOfDiskError):
+        return _worker_plugin().barrier(id, run_ids)
+    except (Reschedule, P2PConsistencyError, P2POutOfDiskError, ShuffleSchedulerError):
         raise
     except (ShuffleCommError, ShuffleMemoryError, ShuffleDiskFullError, ShuffleInputError):
         raise

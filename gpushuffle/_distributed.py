@@ -31,6 +31,7 @@ from dask.dataframe.dask_expr._shuffle import (
     Shuffle,
     SimpleShuffle,
     _contains_index_name,
+    _is_column_label_reference,
     _is_numeric_cast_type,
     _select_columns_or_index,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "Task",
     "TaskRef",
     "_contains_index_name",
+    "_is_column_label_reference",
     "_is_numeric_cast_type",
     "_select_columns_or_index",
     "_tokenize_deterministic",

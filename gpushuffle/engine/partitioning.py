@@ -28,6 +28,7 @@ import pandas as pd
 
 from gpushuffle._distributed import (
     AssignPartitioningIndex,
+    _is_column_label_reference,
     _is_numeric_cast_type,
     combine_hash_arrays,
     hash_array,
@@ -56,11 +57,8 @@ def _plain_columns(frame: Any, on: Any) -> list[Any] | None:
     if isinstance(columns, pd.MultiIndex) or not columns.is_unique or not labels:
         return None
     # Every label a column: then none refers to the index, as dask reads them.
-    for label in labels:
-        if not (pd.api.types.is_scalar(label) or isinstance(label, tuple)):
-            return None
-        if label not in columns:
-            return None
+    if not all(_is_column_label_reference(frame, label) for label in labels):
+        return None
     return labels
 
 

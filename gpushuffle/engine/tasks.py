@@ -21,6 +21,7 @@ from gpushuffle._distributed import (
     P2POutOfDiskError,
     ShuffleClosedError,
     ShuffleId,
+    ShuffleWorkerPlugin,
     get_worker_plugin,
     known_run,
 )
@@ -56,7 +57,7 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
         raise RuntimeError(f"gpushuffle {id} failed during {what}: {type(e).__name__}: {e}") from e
 
 
-def _worker_plugin() -> Any:
+def _worker_plugin() -> ShuffleWorkerPlugin:
     """distributed's shuffle plugin of the worker running this task.
 
     Off a worker (a graph computed by one of dask's local schedulers),

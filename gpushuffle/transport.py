@@ -18,7 +18,7 @@ such a mistake fails loudly.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from distributed.protocol import (
     to_serialize,
 )
 
+from gpushuffle import samehost
 from gpushuffle.backends import backend_named
 from gpushuffle.counters import Counters
 from gpushuffle.engine import copies
@@ -55,6 +56,11 @@ class Shard:
     table: Any
     nbytes: int
     chunk: int = 0
+    #: Sender: whether the large frames are lent to a receiver on this
+    #: machine (:mod:`gpushuffle.samehost`) rather than sent.
+    lend: bool = False
+    #: Sender: frames lent so far, alive until the receiver has answered.
+    lent: list[Any] | None = None
 
 
 @dataclass
@@ -68,6 +74,11 @@ class WireStatistics(Counters):
     """
 
     messages_sent: int = 0
+    #: Bytes lent to (sent) and read from (received) workers on this machine.
+    bytes_lent: int = 0
+    bytes_read_from_peers: int = 0
+    #: Messages a receiver could not read, sent again as bytes.
+    lends_refused: int = 0
     shards_sent: int = 0
     shards_serialized: int = 0
     shards_deserialized: int = 0
@@ -95,6 +106,15 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
     header, frames = backend_named(shard.backend).serialize(
         shard.table, device_frames=device_frames
     )
+    lender = None
+    if shard.lend and not device_frames and (me := samehost.identity()) is not None:
+        lent, frames, kept = samehost.lend(frames)
+        if lent:
+            lender = {**me, "frames": lent}
+            # Every attempt's frames stay alive: a receiver may still read
+            # those of an attempt that timed out.
+            shard.lent = [*(shard.lent or ()), *kept]
+            statistics.add(bytes_lent=sum(nbytes for _, _, nbytes in lent))
     copies.count("send", sum(_frame_bytes(f) for f in frames))
     statistics.add(
         shards_serialized=1,
@@ -102,6 +122,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
         device_frames=sum(hasattr(f, "__cuda_array_interface__") for f in frames),
     )
     return {
+        "lender": lender,
         "backend": shard.backend,
         "input_partition": shard.input_partition,
         "partitions": shard.partitions.tolist(),
@@ -113,18 +134,51 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
 
 
 def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
-    backend = backend_named(header["backend"])
-    statistics.add(shards_deserialized=1, bytes_deserialized=header["nbytes"])
     copies.count("receive", sum(_frame_bytes(f) for f in frames))
-    return Shard(
+    shard = Shard(
         backend=header["backend"],
         input_partition=header["input_partition"],
         partitions=np.asarray(header["partitions"], dtype=np.int64),
         offsets=np.asarray(header["offsets"], dtype=np.int64),
-        table=backend.deserialize(header["table"], frames),
+        table=None,
         nbytes=header["nbytes"],
         chunk=header["chunk"],
     )
+    if header.get("lender") is not None:
+        # Read later, by the receiving run (read_lent), which can answer a
+        # refusal; distributed's comm could only fail the message.
+        shard.table = LentTable(header["table"], header["lender"], list(frames))
+        return shard
+    shard.table = _table(shard, header["table"], frames)
+    return shard
+
+
+def _table(shard: Shard, header: dict[str, Any], frames: Sequence[Any]) -> Any:
+    statistics.add(shards_deserialized=1, bytes_deserialized=shard.nbytes)
+    return backend_named(shard.backend).deserialize(header, frames)
+
+
+@dataclass(slots=True)
+class LentTable:
+    """A received shard's table whose large frames are still in the sender's memory."""
+
+    header: dict[str, Any]
+    lender: dict[str, Any]
+    carried: list[Any]
+
+
+def read_lent(shard: Shard, allocate: Callable[[int], np.ndarray] | None = None) -> None:
+    """Read a received shard's lent frames from its sender (a worker on this
+    machine), into one buffer from ``allocate`` (bytes -> uint8 array), and
+    deserialize its table; raises :class:`~gpushuffle.samehost.LendRefused`."""
+    lent = shard.table
+    if not isinstance(lent, LentTable):
+        return
+    frames = samehost.read(lent.lender, lent.carried, allocate)
+    nbytes = sum(nbytes for _, _, nbytes in lent.lender["frames"])
+    copies.count("receive", nbytes)
+    statistics.add(bytes_read_from_peers=nbytes)
+    shard.table = _table(shard, lent.header, frames)
 
 
 def _frame_bytes(frame: Any) -> int:

@@ -61,7 +61,7 @@ _HUGE = 1 << 21
 _HUGE_ROUND_FROM = 8 << 20
 
 #: What a buffer is for; :meth:`HostBufferPool.usage` reports bytes in use by tag.
-TAGS = ("split", "unpack", "read", "other")
+TAGS = ("split", "receive", "unpack", "read", "other")
 
 
 @dataclass

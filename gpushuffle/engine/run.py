@@ -17,20 +17,25 @@ import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.comm import get_address_host
-from distributed.core import ErrorMessage, OKMessage, Status
+from distributed.core import ErrorMessage, OKMessage, Status, error_message
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
 from distributed.utils_comm import retry
 from tornado.ioloop import PeriodicCallback
 
-from gpushuffle import config
-from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
+from gpushuffle import config, samehost
+from gpushuffle._distributed import (
+    P2PConsistencyError,
+    ResourceLimiter,
+    ShuffleClosedError,
+    ShuffleRun,
+)
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
-from gpushuffle.transport import Shard, wire_payload
+from gpushuffle.transport import LentTable, Shard, read_lent, statistics, wire_payload
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
@@ -113,6 +118,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # its own, while a cuDF shard is a view of the whole reordered input
         # partition, which a waiting shard would keep on the device.
         self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
+        self.same_host_reads = bool(config.get("comm.same-host-reads"))
+        self._host = get_address_host(worker.address)
+        self._lent_unanswered: list[list[Any]] = []
+        self._reading = asyncio.Lock()
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
         self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
@@ -262,12 +271,19 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         Each round of the result holds at most one chunk per worker, the
         shape distributed's comm buffer takes.  A receiver holds every
         message that waits for room in its store, so smaller messages keep
-        that backlog small.
+        that backlog small.  Shards lent to a worker on this machine
+        (:mod:`gpushuffle.samehost`) stay whole: their message carries only
+        where the rows are, the receiver reads one such message at a time,
+        once it has stored the one before, and it reads a shard into one
+        buffer the size of the split's, which the pool most often has free
+        (a split's, given back once sent).
         """
         rounds: list[dict[str, Shard]] = []
         for address, shard in shards.items():
             nrows = int(shard.offsets[-1])
             count = max(1, min(nrows, -(-shard.nbytes // self.message_bytes)))
+            if self._lends_to(address):
+                count = 1
             bounds = np.linspace(0, nrows, count + 1).astype(np.int64)
             for chunk, (start, stop) in enumerate(itertools.pairwise(bounds)):
                 if count == 1:
@@ -336,6 +352,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # OSError, so it is retried like a broken connection).
             return await asyncio.wait_for(self._send(address, shards), self.send_timeout)
 
+        lend = self._lends_to(address)
+        for shard in shards:
+            shard.lend = lend
+        answered = False
         try:
             # A closing run (its shuffle failed, or restarts because a worker
             # left) stops its sends at once: close() waits for them, and a send
@@ -350,10 +370,35 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     delay_max=self.RETRY_DELAY_MAX,
                 )
             )
-            # Sent and answered (so serialized): the rows can go, even where
-            # distributed keeps the Shard (its send task's last one, below).
+            if response.get("lend") == "refused":
+                # The receiver cannot read this process's memory: the same
+                # message again, as bytes, and every later one to it.
+                statistics.add(lends_refused=1)
+                if samehost.refused(address, str(response.get("reason"))):
+                    logger.info(
+                        "gpushuffle: %s cannot read shards from %s's memory (%s); "
+                        "sending them over the comm",
+                        address,
+                        self.local_address,
+                        response.get("reason"),
+                    )
+                for shard in shards:
+                    shard.lend = False
+                response = await self._unless_closing(
+                    retry(
+                        attempt,
+                        count=self.RETRY_COUNT,
+                        delay_min=self.RETRY_DELAY_MIN,
+                        delay_max=self.RETRY_DELAY_MAX,
+                    )
+                )
+            answered = True
+            # Sent and answered (so serialized, and read where lent): the rows
+            # can go, even where distributed keeps the Shard (its send task's
+            # last one, below).
             for shard in shards:
                 shard.table = None
+                shard.lent = None
             return response
         except ShuffleDiskFullError:
             raise
@@ -366,6 +411,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
         finally:
+            if not answered:
+                # A receiver may still read what an unanswered attempt lent:
+                # it stays alive until the run closes.
+                self._lent_unanswered.extend(s.lent for s in shards if s.lent)
             # distributed's comm buffer keeps the list it handed over (and
             # the last shard it took) in its send task's frame until that task
             # has another message to send: a message per task
@@ -406,6 +455,39 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 work.exception()  # retrieved: nobody wants it now
             raise ShuffleClosedError(f"{self} was closed while sending")
         return work.result()
+
+    def _lends_to(self, address: str) -> bool:
+        """Whether shards for ``address`` are lent (:mod:`gpushuffle.samehost`)."""
+        return (
+            self.same_host_reads
+            and address.startswith("tcp://")
+            and get_address_host(address) == self._host
+            and samehost.may_lend_to(address)
+        )
+
+    async def receive(self, data: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
+        try:
+            if not any(isinstance(shard.table, LentTable) for shard in data):
+                await self._receive(data)
+                return {"status": "OK"}
+            # One lent message is read and stored at a time: the others wait
+            # with their rows still in their senders' memory, so the store
+            # holds at most its budget plus one message, as with the comm.
+            async with self._reading:
+                try:
+                    for shard in data:
+                        # One already stored (a retried send) is not read
+                        # again: its sender may have freed what it lent.
+                        if (shard.input_partition, shard.chunk) not in self.received:
+                            read_lent(shard, _receive_buffer)
+                except samehost.LendRefused as e:
+                    # distributed's comm buffer accepts only "OK" or "error"; the
+                    # sender's send() turns this into "OK" once it sent the bytes.
+                    return {"status": "OK", "lend": "refused", "reason": str(e)}  # type: ignore[return-value]
+                await self._receive(data)
+            return {"status": "OK"}
+        except P2PConsistencyError as e:
+            return error_message(e)
 
     async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()
@@ -482,12 +564,19 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._lingering_bytes.clear()
         self.store.close()
         await super().close()
+        self._lent_unanswered.clear()
 
     def read(self, path: Any) -> tuple[Any, int]:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")
 
     def deserialize(self, buffer: Any) -> Any:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")
+
+
+def _receive_buffer(nbytes: int) -> np.ndarray:
+    """Where lent rows are read to: a pooled buffer, most often one a split
+    gave back (same size), whose pages are already there."""
+    return host_pool().empty(nbytes, np.uint8, tag="receive")
 
 
 def _workers_sharing_the_gpu(address: str, workers: Iterable[str]) -> int:

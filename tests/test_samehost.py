@@ -10,6 +10,21 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from distributed import Nanny
+from faults import (
+    TRANSFER,
+    assert_correct,
+    assert_scheduler_clean,
+    assert_workers_clean,
+    cluster_test,
+    count_tasks,
+    gpushuffled,
+    run_ids,
+    truth,
+    wait_for,
+    wait_for_shuffle,
+    wait_for_tasks,
+)
 from test_memory import cluster_with
 from test_shuffle import check, make_frame
 from test_transport import _copied, _wire, assert_every_shard_serialized, wire_delta
@@ -146,3 +161,39 @@ def test_same_host_reads_can_be_turned_off():
         delta = _shuffle_and_check(client)
         assert all(d["wire_bytes_lent"] == 0 for d in delta.values()), delta
         assert all(d["wire_bytes_read_from_peers"] == 0 for d in delta.values()), delta
+
+
+# -- a sender lost while it lends ----------------------------------------------
+
+NIN, ROWS, NOUT = 8, 60_000, 6  # an input's remote rows: columns of ~240 KB, lent
+
+
+@cluster_test(n_workers=1, timeout=120)
+async def test_a_sender_killed_while_it_lends(c, s, a):
+    """The Nanny's worker lends its shards to ``a`` (in this process) and is
+    killed mid-transfer: the shuffle restarts and every row arrives once."""
+    from gpushuffle import transport
+
+    expected = truth(NIN, ROWS, NOUT)
+    read_before = transport.statistics.bytes_read_from_peers
+    async with Nanny(s.address, nthreads=1) as n:
+        crashed = n.worker_address
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, TRANSFER, "memory", 1, crashed)
+        assert count_tasks(s, TRANSFER, "memory") < NIN
+        await n.process.process.kill()
+
+        assert_correct(await c.gather(futures), expected)
+        assert len(run_ids(s, shuffle_id)) >= 2
+        del futures
+        await wait_for(
+            lambda: n.worker_address not in (None, crashed) and n.worker_address in s.workers,
+            what="the nanny to restart its worker",
+        )
+        # a read rows from the Nanny's workers' memory.
+        assert transport.statistics.bytes_read_from_peers > read_before
+        await assert_workers_clean(c)
+    await assert_workers_clean(c)
+    await c.close()
+    await assert_scheduler_clean(s)

@@ -16,9 +16,11 @@ The receiver checks that the message comes from a process it can read: the
 same kernel (``/proc/sys/kernel/random/boot_id``) and, under the sender's
 process id, a process started when the sender says it was (before and after
 the read, so that a process id reused by another process is never read).
-Where the kernel refuses (another user, a container's seccomp profile, Yama's
-``ptrace_scope``, another PID namespace), the receiver answers so and the
-sender sends that message, and every later one to that worker, as bytes.
+Where the kernel refuses (another user, a container's seccomp profile,
+another PID namespace), the receiver answers so and the sender sends that
+message, and every later one to that worker, as bytes.  Where Yama's
+``ptrace_scope`` is above 0 (Ubuntu's default is 1: a process may read only
+its descendants, and workers are siblings) nothing is lent at all.
 ``gpushuffle.comm.same-host-reads: false`` turns lending off.
 """
 
@@ -94,7 +96,7 @@ def identity() -> dict[str, Any] | None:
     pid = os.getpid()
     if _identity is not None and _identity["pid"] == pid:
         return _identity
-    if _readv is None:
+    if _readv is None or _ptrace_restricted():
         return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -104,6 +106,16 @@ def identity() -> dict[str, Any] | None:
         return None
     _identity = me
     return me
+
+
+def _ptrace_restricted(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> bool:
+    """Whether Yama lets a process read only its descendants (or none): sibling
+    workers could not read each other (Ubuntu's default is 1)."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip()) > 0
+    except (OSError, ValueError):
+        return False  # no Yama: the classic rule, same user
 
 
 def may_lend_to(address: str) -> bool:

@@ -92,6 +92,14 @@ def test_what_cannot_be_read_is_refused(change, message):
         samehost.read({**lender, **change}, carried)
 
 
+def test_nothing_is_lent_where_yama_restricts_ptrace(tmp_path):
+    scope = tmp_path / "ptrace_scope"
+    for value, restricted in (("0\n", False), ("1\n", True), ("3\n", True)):
+        scope.write_text(value)
+        assert samehost._ptrace_restricted(str(scope)) is restricted
+    assert samehost._ptrace_restricted(str(tmp_path / "absent")) is False
+
+
 def _frame(n: int = 240_000) -> pd.DataFrame:
     # Columns of an input's remote rows well over samehost.LEND_MIN_BYTES.
     return make_frame(n, seed=21)

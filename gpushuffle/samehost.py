@@ -30,7 +30,7 @@ import ctypes
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,12 +131,17 @@ def refused(address: str, reason: str) -> bool:
     return first
 
 
-def lend(frames: Sequence[Any]) -> tuple[list[list[int]], list[Any], list[Any]]:
+def lend(
+    frames: Sequence[Any], own: Iterable[int] = ()
+) -> tuple[list[list[int]], list[Any], list[Any]]:
     """Split ``frames`` into lent ones and those sent in the message.
 
-    Returns the lent frames' ``[position, address, nbytes]``, the frames the
-    message carries, and the objects to keep alive until the receiver answers.
+    Returns the lent frames' ``[position, address, nbytes, own]``, the frames
+    the message carries, and the objects to keep alive until the receiver
+    answers.  ``own``: positions of frames the receiver reads into memory of
+    their own (:data:`~gpushuffle.backends.base.OWN_FRAMES`).
     """
+    own = frozenset(own)
     lent: list[list[int]] = []
     carried: list[Any] = []
     kept: list[Any] = []
@@ -146,7 +151,7 @@ def lend(frames: Sequence[Any]) -> tuple[list[list[int]], list[Any], list[Any]]:
             carried.append(frame)
             continue
         array = np.frombuffer(view, dtype=np.uint8)
-        lent.append([position, int(array.ctypes.data), int(view.nbytes)])
+        lent.append([position, int(array.ctypes.data), int(view.nbytes), int(position in own)])
         kept.append(frame)
     return lent, carried, kept
 
@@ -173,8 +178,9 @@ def read(
     ``lender`` is what :func:`identity` and :func:`lend` gave the sender:
     its identity and the lent frames' positions, addresses and sizes.  The
     lent frames are read into one buffer from ``allocate`` (bytes -> uint8
-    array; ``numpy.empty`` by default), each at a multiple of 64 bytes.
-    Raises :class:`LendRefused` when they cannot be read from here.
+    array; ``numpy.empty`` by default), each at a multiple of 64 bytes, but
+    those marked ``own``, which get a ``numpy.empty`` each.  Raises
+    :class:`LendRefused` when they cannot be read from here.
     """
     me = identity()
     if me is None:
@@ -185,13 +191,15 @@ def read(
     _check_alive(pid, lender["start"])
     lent = lender["frames"]
     starts, total = [], 0
-    for _, _, nbytes in lent:
+    for _, _, nbytes, own in lent:
         starts.append(total)
-        total += -(-nbytes // _ALIGN) * _ALIGN
+        if not own:
+            total += -(-nbytes // _ALIGN) * _ALIGN
     block = (allocate or _empty)(total + _ALIGN)
     block = block[-block.ctypes.data % _ALIGN :][:total]
     buffers = [
-        block[start : start + nbytes] for start, (_, _, nbytes) in zip(starts, lent, strict=True)
+        _empty(nbytes) if own else block[start : start + nbytes]
+        for start, (_, _, nbytes, own) in zip(starts, lent, strict=True)
     ]
     for first in range(0, len(lent), _IOV_MAX):
         batch = range(first, min(first + _IOV_MAX, len(lent)))
@@ -199,7 +207,7 @@ def read(
         remote = (_Iovec * len(batch))()
         expected = 0
         for k, i in enumerate(batch):
-            _, address, nbytes = lent[i]
+            _, address, nbytes, _ = lent[i]
             local[k] = _Iovec(buffers[i].ctypes.data, nbytes)
             remote[k] = _Iovec(address, nbytes)
             expected += nbytes
@@ -211,7 +219,7 @@ def read(
     # A process id reused during the read would show another start time.
     _check_alive(pid, lender["start"])
     frames: list[Any] = list(carried)
-    for (position, _, _), buffer in zip(lent, buffers, strict=True):
+    for (position, *_), buffer in zip(lent, buffers, strict=True):
         frames.insert(position, buffer)
     return frames
 

@@ -35,6 +35,7 @@ from distributed.protocol import (
 
 from gpushuffle import samehost
 from gpushuffle.backends import backend_named
+from gpushuffle.backends.base import OWN_FRAMES
 from gpushuffle.counters import Counters
 from gpushuffle.engine import copies
 
@@ -108,13 +109,13 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
     )
     lender = None
     if shard.lend and not device_frames and (me := samehost.identity()) is not None:
-        lent, frames, kept = samehost.lend(frames)
+        lent, frames, kept = samehost.lend(frames, own=header.get(OWN_FRAMES, ()))
         if lent:
             lender = {**me, "frames": lent}
             # Every attempt's frames stay alive: a receiver may still read
             # those of an attempt that timed out.
             shard.lent = [*(shard.lent or ()), *kept]
-            statistics.add(bytes_lent=sum(nbytes for _, _, nbytes in lent))
+            statistics.add(bytes_lent=sum(frame[2] for frame in lent))
     copies.count("send", sum(_frame_bytes(f) for f in frames))
     statistics.add(
         shards_serialized=1,
@@ -175,7 +176,7 @@ def read_lent(shard: Shard, allocate: Callable[[int], np.ndarray] | None = None)
     if not isinstance(lent, LentTable):
         return
     frames = samehost.read(lent.lender, lent.carried, allocate)
-    nbytes = sum(nbytes for _, _, nbytes in lent.lender["frames"])
+    nbytes = sum(frame[2] for frame in lent.lender["frames"])
     copies.count("receive", nbytes)
     statistics.add(bytes_read_from_peers=nbytes)
     shard.table = _table(shard, lent.header, frames)

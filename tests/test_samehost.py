@@ -30,6 +30,9 @@ from test_shuffle import check, make_frame
 from test_transport import _copied, _wire, assert_every_shard_serialized, wire_delta
 
 from gpushuffle import samehost
+from gpushuffle.backends import arrow
+from gpushuffle.backends.base import OWN_FRAMES
+from gpushuffle.backends.pandas import PandasBackend
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -51,7 +54,7 @@ def test_large_frames_are_read_back_small_ones_travel():
         memoryview(np.arange(50_000, dtype=np.int32)),
     ]
     lender, carried, kept = _lent(frames)
-    assert [position for position, _, _ in lender["frames"]] == [1, 2, 4]
+    assert [position for position, *_ in lender["frames"]] == [1, 2, 4]
     assert [bytes(f) for f in carried] == [bytes(frames[0]), bytes(frames[3])]
     assert len(kept) == 3
     got = samehost.read(lender, carried)
@@ -77,13 +80,44 @@ def test_reads_go_to_the_buffer_the_receiver_gives():
     assert np.shares_memory(np.frombuffer(got[0], np.uint8), given[0])
 
 
+def test_string_chunks_read_from_a_peer_are_kept_as_they_arrived():
+    """The pandas backend marks the buffers of Arrow chunks: the receiver
+    reads them into memory of their own, so the unpack keeps such a chunk
+    instead of copying it (arrow.made_of), while numpy columns share one
+    pooled buffer."""
+    n = 20_000
+    frame = pd.DataFrame(
+        {
+            "p": np.zeros(n, dtype=np.int64),
+            "x": np.arange(n, dtype=np.float64),
+            "s": pd.array([f"value {i:08d}" for i in range(n)], dtype="str"),
+        }
+    )
+    backend = PandasBackend()
+    table, _ = backend.split(frame, "p", np.zeros(1, np.int16), 1, False)
+    header, frames = backend.serialize(table)
+    assert header[OWN_FRAMES], header
+    lent, carried, _ = samehost.lend(frames, own=header[OWN_FRAMES])
+    assert {position for position, *_, own in lent if own} == set(header[OWN_FRAMES])
+    got = samehost.read({**samehost.identity(), "frames": lent}, carried)
+    received = backend.deserialize(header, got)
+    strings = received.columns[1]
+    pd.testing.assert_extension_array_equal(strings, frame["s"].array)
+    (chunk,) = strings._pa_array.chunks
+    assert arrow.made_of(chunk, received.standalone)
+    for position, *_, own in lent:
+        # Own frames are allocations of their own; the others views of one.
+        assert (got[position].base is None) == bool(own), (position, own)
+    np.testing.assert_array_equal(received.columns[0], frame["x"].to_numpy())
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         ({"boot": "another-kernel"}, "another kernel"),
         ({"start": -1}, "not the sender"),
         ({"pid": 2**31 - 1}, "no process"),
-        ({"frames": [[0, 4096, 100_000]]}, "process_vm_readv"),  # unmapped: EFAULT
+        ({"frames": [[0, 4096, 100_000, 0]]}, "process_vm_readv"),  # unmapped: EFAULT
     ],
 )
 def test_what_cannot_be_read_is_refused(change, message):

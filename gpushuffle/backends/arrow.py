@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
 from typing import Any, cast
 
 import numpy as np
@@ -82,6 +83,18 @@ def _view(buffer: pa.Buffer, start: int, stop: int) -> pickle.PickleBuffer:
     return pickle.PickleBuffer(buffer.slice(start, stop - start))
 
 
+#: Per thread, while :func:`dumps` runs: the ids of the out-of-band buffers
+#: that make up Arrow chunks (see :func:`dumps`' ``chunk_buffers``).
+_pickling = threading.local()
+
+
+def _chunk_buffer(buffer: pickle.PickleBuffer) -> pickle.PickleBuffer:
+    ids = getattr(_pickling, "chunk_ids", None)
+    if ids is not None:
+        ids.add(id(buffer))
+    return buffer
+
+
 def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
     """The rebuild arguments of one chunk: its type, shape and cut buffers."""
     validity, *rest = array.buffers()
@@ -95,7 +108,11 @@ def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
     first = array.offset - shift
     length = len(array)
     rows = shift + length
-    bitmap = None if validity is None else _view(validity, first // 8, (first + rows + 7) // 8)
+    bitmap = (
+        None
+        if validity is None
+        else _chunk_buffer(_view(validity, first // 8, (first + rows + 7) // 8))
+    )
     offset_type = _OFFSET_TYPES.get(array.type)
     data_view: pickle.PickleBuffer | None = None
     if offset_type is not None:
@@ -106,12 +123,12 @@ def _reduce_array(array: pa.Array) -> tuple[Any, ...]:
         if base:
             offsets = offsets - offsets.dtype.type(base)
             copies.count("serialize", offsets.nbytes)
-        values = _out_of_band(offsets)
-        data_view = _view(data if data is not None else pa.py_buffer(b""), base, end)
+        values = _chunk_buffer(_out_of_band(offsets))
+        data_view = _chunk_buffer(_view(data if data is not None else pa.py_buffer(b""), base, end))
     else:
         itemsize = _fixed_width(array.type)
         assert itemsize is not None
-        values = _view(rest[0], first * itemsize, (first + rows) * itemsize)
+        values = _chunk_buffer(_view(rest[0], first * itemsize, (first + rows) * itemsize))
     return (
         array.type,
         length,
@@ -236,8 +253,31 @@ class _ChunkReduce:
         return (_rebuild_array, _reduce_array(self.array))
 
 
-def dumps(obj: Any, buffer_callback: Any) -> bytes:
-    """``pickle.dumps(obj, protocol=5, buffer_callback=...)`` with cut Arrow arrays."""
+def dumps(obj: Any, buffer_callback: Any, chunk_buffers: list[int] | None = None) -> bytes:
+    """``pickle.dumps(obj, protocol=5, buffer_callback=...)`` with cut Arrow arrays.
+
+    ``chunk_buffers``, if given, receives the positions (among the buffers
+    handed to ``buffer_callback``) of those that make up Arrow chunks: a
+    receiver that gives each of them memory of its own can keep such a chunk
+    as it arrived (:func:`made_of`).
+    """
     out = io.BytesIO()
-    OutOfBandPickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    if chunk_buffers is None:
+        OutOfBandPickler(out, protocol=5, buffer_callback=buffer_callback).dump(obj)
+        return out.getvalue()
+    count = 0
+
+    def callback(buffer: pickle.PickleBuffer) -> Any:
+        nonlocal count
+        if id(buffer) in ids:
+            chunk_buffers.append(count)
+        count += 1
+        return buffer_callback(buffer)
+
+    ids: set[int] = set()
+    _pickling.chunk_ids = ids
+    try:
+        OutOfBandPickler(out, protocol=5, buffer_callback=callback).dump(obj)
+    finally:
+        _pickling.chunk_ids = None
     return out.getvalue()

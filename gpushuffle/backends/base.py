@@ -17,6 +17,13 @@ import numpy as np
 
 from gpushuffle.errors import ShuffleInputError
 
+#: Key of a backend's serialized header: positions of frames that a receiver
+#: reading them from another process's memory should put in memory of
+#: their own rather than in a buffer shared with other frames
+#: (:mod:`gpushuffle.samehost`), so that what is built on them alone can
+#: outlive the rest of the shard.
+OWN_FRAMES = "own-frames"
+
 
 def refuse_pickle(table: Any) -> NoReturn:
     """``__reduce__`` of backend tables: they travel only through their backend."""

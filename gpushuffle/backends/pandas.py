@@ -37,7 +37,13 @@ import pyarrow as pa
 from pandas.api.types import union_categoricals
 
 from gpushuffle.backends import arrow, flat
-from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
+from gpushuffle.backends.base import (
+    OWN_FRAMES,
+    TableBackend,
+    check_frame,
+    dtype_mismatch,
+    refuse_pickle,
+)
 from gpushuffle.engine import copies
 from gpushuffle.engine.pool import HostBufferPool, host_pool
 from gpushuffle.errors import ShuffleInputError
@@ -839,14 +845,21 @@ class PandasBackend(TableBackend):
     ) -> tuple[dict[str, Any], list[Any]]:
         table = self.materialize(table)
         buffers: list[pickle.PickleBuffer] = []
+        chunk_buffers: list[int] = []
         try:
             # numpy arrays and Arrow buffers go out of band as views; only
             # object columns and small metadata are copied into the payload.
-            payload = arrow.dumps((table.columns, table.index), buffers.append)
+            payload = arrow.dumps((table.columns, table.index), buffers.append, chunk_buffers)
         except Exception as e:
             raise _unpicklable(table, e) from e
         copies.count("serialize", len(payload))
-        return {"npickle-buffers": len(buffers)}, [payload, *(b.raw() for b in buffers)]
+        header = {
+            "npickle-buffers": len(buffers),
+            # Frames (payload first) to receive into memory of their own:
+            # Arrow chunks made of such frames are kept as they arrived.
+            OWN_FRAMES: [1 + i for i in chunk_buffers],
+        }
+        return header, [payload, *(b.raw() for b in buffers)]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> PandasTable:
         columns, index = pickle.loads(frames[0], buffers=frames[1:])

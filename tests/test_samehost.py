@@ -21,10 +21,10 @@ from faults import (
     gpushuffled,
     run_ids,
     truth,
-    wait_for,
     wait_for_shuffle,
     wait_for_tasks,
 )
+from test_faults import wait_for_restart
 from test_memory import cluster_with
 from test_shuffle import check, make_frame
 from test_transport import _copied, _wire, assert_every_shard_serialized, wire_delta
@@ -229,10 +229,7 @@ async def test_a_sender_killed_while_it_lends(c, s, a):
         assert_correct(await c.gather(futures), expected)
         assert len(run_ids(s, shuffle_id)) >= 2
         del futures
-        await wait_for(
-            lambda: n.worker_address not in (None, crashed) and n.worker_address in s.workers,
-            what="the nanny to restart its worker",
-        )
+        await wait_for_restart(s, n, crashed)
         # a read rows from the Nanny's workers' memory.
         assert transport.statistics.bytes_read_from_peers > read_before
         await assert_workers_clean(c)

@@ -352,17 +352,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # OSError, so it is retried like a broken connection).
             return await asyncio.wait_for(self._send(address, shards), self.send_timeout)
 
-        lend = self._lends_to(address)
-        for shard in shards:
-            shard.lend = lend
-        answered = False
-        try:
+        async def send_with_retries() -> OKMessage | ErrorMessage:
             # A closing run (its shuffle failed, or restarts because a worker
             # left) stops its sends at once: close() waits for them, and a send
             # to a worker that is gone would otherwise keep the run and its
             # buffers alive for minutes (connects time out after
             # distributed.comm.timeouts.connect, then retries back off).
-            response = await self._unless_closing(
+            return await self._unless_closing(
                 retry(
                     attempt,
                     count=self.RETRY_COUNT,
@@ -370,6 +366,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     delay_max=self.RETRY_DELAY_MAX,
                 )
             )
+
+        lend = self._lends_to(address)
+        for shard in shards:
+            shard.lend = lend
+        answered = False
+        try:
+            response = await send_with_retries()
             if response.get("lend") == "refused":
                 # The receiver cannot read this process's memory: the same
                 # message again, as bytes, and every later one to it.
@@ -384,14 +387,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     )
                 for shard in shards:
                     shard.lend = False
-                response = await self._unless_closing(
-                    retry(
-                        attempt,
-                        count=self.RETRY_COUNT,
-                        delay_min=self.RETRY_DELAY_MIN,
-                        delay_max=self.RETRY_DELAY_MAX,
-                    )
-                )
+                response = await send_with_retries()
             answered = True
             # Sent and answered (so serialized, and read where lent): the rows
             # can go, even where distributed keeps the Shard (its send task's

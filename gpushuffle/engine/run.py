@@ -17,19 +17,14 @@ import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
 from distributed.comm import get_address_host
-from distributed.core import ErrorMessage, OKMessage, Status, error_message
+from distributed.core import ErrorMessage, OKMessage, Status
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
 from distributed.utils_comm import retry
 from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
-from gpushuffle._distributed import (
-    P2PConsistencyError,
-    ResourceLimiter,
-    ShuffleClosedError,
-    ShuffleRun,
-)
+from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.pool import host_pool
@@ -462,28 +457,23 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         )
 
     async def receive(self, data: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
-        try:
-            if not any(isinstance(shard.table, LentTable) for shard in data):
-                await self._receive(data)
-                return {"status": "OK"}
-            # One lent message is read and stored at a time: the others wait
-            # with their rows still in their senders' memory, so the store
-            # holds at most its budget plus one message, as with the comm.
-            async with self._reading:
-                try:
-                    for shard in data:
-                        # One already stored (a retried send) is not read
-                        # again: its sender may have freed what it lent.
-                        if (shard.input_partition, shard.chunk) not in self.received:
-                            read_lent(shard, _receive_buffer)
-                except samehost.LendRefused as e:
-                    # distributed's comm buffer accepts only "OK" or "error"; the
-                    # sender's send() turns this into "OK" once it sent the bytes.
-                    return {"status": "OK", "lend": "refused", "reason": str(e)}  # type: ignore[return-value]
-                await self._receive(data)
-            return {"status": "OK"}
-        except P2PConsistencyError as e:
-            return error_message(e)
+        if not any(isinstance(shard.table, LentTable) for shard in data):
+            return await super().receive(data)  # type: ignore[arg-type]
+        # One lent message is read and stored at a time: the others wait
+        # with their rows still in their senders' memory, so the store
+        # holds at most its budget plus one message, as with the comm.
+        async with self._reading:
+            try:
+                for shard in data:
+                    # One already stored (a retried send) is not read again:
+                    # its sender may have freed what it lent.
+                    if (shard.input_partition, shard.chunk) not in self.received:
+                        read_lent(shard, _receive_buffer)
+            except samehost.LendRefused as e:
+                # distributed's comm buffer accepts only "OK" or "error"; the
+                # sender's send() turns this into "OK" once it sent the bytes.
+                return {"status": "OK", "lend": "refused", "reason": str(e)}  # type: ignore[return-value]
+            return await super().receive(data)  # type: ignore[arg-type]
 
     async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()

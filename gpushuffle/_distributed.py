@@ -17,6 +17,9 @@ hashes of a frame's columns (unchanged from pandas 1.x to 3.1), which
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from dask._task_spec import Task, TaskRef
 from dask.dataframe.dask_expr._expr import Assign, Fused
 from dask.dataframe.dask_expr._merge import (
@@ -40,6 +43,7 @@ from dask.dataframe.multi import merge_chunk
 from dask.dataframe.shuffle import partitioning_index
 from dask.tokenize import _tokenize_deterministic
 from dask.utils import get_default_shuffle_method
+from distributed.scheduler import Scheduler
 from distributed.shuffle._core import (
     P2PBarrierTask,
     ShuffleId,
@@ -82,6 +86,46 @@ def known_run(
     return run
 
 
+def pin_output_tasks(
+    shuffle_id: ShuffleId, worker_for: dict[int, str], partition_of: Callable[[Any], int | None]
+) -> int:
+    """Restrict a new run's output tasks to their workers on the scheduler; how many.
+
+    distributed leaves output tasks unrestricted until each first runs: one
+    on the wrong worker asks the scheduler to restrict it, raises
+    ``Reschedule`` and runs again (``ShuffleRun._ensure_output_worker``),
+    since with task fusion it cannot tell which output a task computes.
+    gpushuffle's output tasks say it (``partition_of`` reads it from their
+    run spec), so they are pinned as the run is created, through the
+    scheduler plugin's ``_set_restriction``, which records the original
+    restrictions for its ``_unset_restriction`` when the run ends or
+    restarts.  With two workers, half the output tasks ran twice and made
+    a round trip to the scheduler; with many small partitions that was a
+    sixth of all tasks run.  Tasks it cannot read keep distributed's way.
+
+    Runs on the scheduler's event loop (``ShuffleSpec.create_new_run``, called
+    by the plugin's ``_create``), which is not handed the scheduler: it is
+    the one in this process that holds the run's barrier and knows all of
+    its workers.
+    """
+    key = barrier_key(shuffle_id)
+    workers = set(worker_for.values())
+    pinned = 0
+    for scheduler in list(Scheduler._instances):
+        barrier = scheduler.tasks.get(key)
+        plugin = scheduler.plugins.get("shuffle")
+        if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
+            continue
+        for ts in barrier.dependents:
+            partition = partition_of(ts.run_spec)
+            worker = worker_for.get(partition) if partition is not None else None
+            if worker is not None:
+                plugin._set_restriction(ts, worker)  # type: ignore[attr-defined]
+                pinned += 1
+        break
+    return pinned
+
+
 __all__ = [
     "Assign",
     "AssignPartitioningIndex",
@@ -118,4 +162,5 @@ __all__ = [
     "known_run",
     "merge_chunk",
     "partitioning_index",
+    "pin_output_tasks",
 ]

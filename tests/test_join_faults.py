@@ -14,7 +14,9 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.utils import key_split
 from distributed import Nanny
+from distributed.diagnostics.plugin import SchedulerPlugin
 from faults import (
     TRANSFER,
     assert_closed_worker_clean,
@@ -105,6 +107,38 @@ def transfers_done(s, shuffle_id: str) -> int:
         for ts in s.tasks.values()
         if ts.state == "memory" and f"transfer-{shuffle_id}" in str(ts.key)
     )
+
+
+@cluster_test(n_workers=2)
+async def test_join_outputs_are_pinned_to_their_workers_as_the_runs_start(c, s, a, b):
+    """Both sides' runs map every output partition to the same worker, and
+    the join's output tasks are restricted to it as the first run is
+    created: none runs elsewhere first only to be rescheduled."""
+    truth("inner")
+    sent_back = []
+
+    class CountReschedules(SchedulerPlugin):
+        def transition(self, key, start, finish, *args, **kwargs):
+            if key_split(key) == JOIN and (start, finish) == ("processing", "released"):
+                sent_back.append(key)
+
+    s.add_plugin(CountReschedules(), name="count-reschedules")
+    futures = c.compute(joined("inner").to_delayed())
+    plugin = s.plugins["shuffle"]
+    await wait_for(lambda: plugin.active_shuffles, what="a side's shuffle")
+    (first,) = plugin.active_shuffles
+    worker_for = plugin.active_shuffles[first].run_spec.worker_for
+    outputs = [ts for ts in s.tasks.values() if key_split(ts.key) == JOIN]
+    assert len(outputs) == NOUT
+    assert {ts.key[1]: ts.worker_restrictions for ts in outputs} == {
+        p: {w} for p, w in worker_for.items()
+    }
+    ids = await wait_for_join(s)
+    assert all(plugin.active_shuffles[i].run_spec.worker_for == worker_for for i in ids)
+    assert_correct(await c.gather(futures), "inner")
+    assert sent_back == []
+    del futures
+    await finish(c, s)
 
 
 @pytest.mark.parametrize("how", ["inner", "outer"])

@@ -11,7 +11,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpushuffle._distributed import ShuffleRun, ShuffleSpec
+from gpushuffle._distributed import ShuffleRun, ShuffleSpec, pin_output_tasks
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
@@ -57,6 +57,13 @@ class GPUShuffleSpec(ShuffleSpec[int]):
     def pick_worker(self, partition: int, workers: Sequence[str]) -> str:
         # Range sharding, as p2p does: contiguous output partitions per worker.
         return workers[len(workers) * partition // self.npartitions]
+
+    def create_new_run(self, worker_for: dict[int, str], span_id: str | None) -> Any:
+        state = super().create_new_run(worker_for=worker_for, span_id=span_id)
+        from gpushuffle.engine.tasks import output_partition_of
+
+        pin_output_tasks(self.id, worker_for, output_partition_of)
+        return state
 
     def create_run_on_worker(
         self,

@@ -22,6 +22,7 @@ from gpushuffle._distributed import (
     ShuffleClosedError,
     ShuffleId,
     ShuffleWorkerPlugin,
+    Task,
     get_worker_plugin,
     known_run,
 )
@@ -94,6 +95,20 @@ def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
     with _phase_errors(id, f"unpack of output partition {output_partition}"):
         return get_output(id, barrier_run_id, output_partition)
+
+
+def output_partition_of(node: Any) -> int | None:
+    """The output partition a task of gpushuffle's graph computes, read from
+    its run spec on the scheduler; None for any other task (a fused one)."""
+    from gpushuffle.engine.join import join_unpack
+
+    if not isinstance(node, Task):
+        return None
+    position = 1 if node.func is unpack else 2 if node.func is join_unpack else None
+    if position is None or len(node.args) <= position:
+        return None
+    partition = node.args[position]
+    return partition if isinstance(partition, int) else None
 
 
 def barrier(id: ShuffleId, *run_ids: int) -> int:

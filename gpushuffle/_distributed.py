@@ -21,7 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dask._task_spec import Task, TaskRef
-from dask.dataframe.dask_expr._expr import Assign, Fused
+from dask._task_spec import _execute_subgraph as execute_subgraph
+from dask.dataframe.dask_expr._expr import Assign, Blockwise, Fused
 from dask.dataframe.dask_expr._merge import (
     BlockwiseMerge,
     BroadcastJoin,
@@ -129,6 +130,7 @@ def pin_output_tasks(
 __all__ = [
     "Assign",
     "AssignPartitioningIndex",
+    "Blockwise",
     "BlockwiseMerge",
     "BroadcastJoin",
     "FromGraph",
@@ -156,6 +158,7 @@ __all__ = [
     "_tokenize_deterministic",
     "barrier_key",
     "combine_hash_arrays",
+    "execute_subgraph",
     "get_default_shuffle_method",
     "get_worker_plugin",
     "hash_array",

@@ -26,6 +26,7 @@ from gpushuffle import config
 from gpushuffle._distributed import (
     Assign,
     AssignPartitioningIndex,
+    Blockwise,
     BlockwiseMerge,
     BroadcastJoin,
     FromGraph,
@@ -55,16 +56,20 @@ METHOD = "gpushuffle"
 
 
 class GPUShuffle(SimpleShuffle):
-    """gpushuffle's lowering of an abstract ``Shuffle`` expression.
+    """gpushuffle's lowering of an abstract ``Shuffle``: its transfer phase.
 
     The graph has distributed's P2P shape: one transfer task per input
-    partition, one barrier task carrying the :class:`GPUShuffleSpec` (and so
-    ``meta``, once), one unpack task per output partition.
+    partition and one barrier task carrying the :class:`GPUShuffleSpec` (and
+    so ``meta``, once).  The output partitions are :class:`GPUUnpack`'s, a
+    blockwise expression on top of this one, so that dask fuses whatever
+    blockwise steps follow the shuffle into the unpack tasks.  This
+    expression's own keys ``(name, i)`` are never built: only
+    :class:`GPUUnpack` depends on it, through the barrier's key.
     """
 
     @property
     def _funcname(self) -> str:
-        return "gpushuffle-unpack"
+        return "gpushuffle"
 
     @functools.cached_property
     def _meta(self) -> Any:
@@ -73,14 +78,18 @@ class GPUShuffle(SimpleShuffle):
             meta = meta.reset_index(drop=True)
         return meta
 
+    @property
+    def token(self) -> str:
+        return self._name.split("-")[-1]
+
     def _layer(self) -> dict:
         frame_meta = self.frame._meta
         backend_for(frame_meta)  # unsupported frame types fail here, not on workers
         if self.npartitions_out < 1:
             raise ValueError(f"npartitions must be at least 1, got {self.npartitions_out}")
-        token = self._name.split("-")[-1]
+        token = self.token
         shuffle_id = ShuffleId(token)
-        parts_out = self._partitions if self._filtered else list(range(self.npartitions_out))
+        parts_out = list(self._partitions)
 
         dsk: dict = {}
         transfers = []
@@ -114,10 +123,41 @@ class GPUShuffle(SimpleShuffle):
             ),
         )
         dsk[barrier.key] = barrier
-        for i, part_out in enumerate(parts_out):
-            t = Task((self._name, i), unpack, token, part_out, barrier.ref())
-            dsk[t.key] = t
         return dsk
+
+
+class GPUUnpack(Blockwise):
+    """The output partitions of a :class:`GPUShuffle`, one unpack task each.
+
+    Blockwise, so that dask's blockwise fusion runs the steps that follow a
+    shuffle (``map_partitions``, a filter, a groupby's first aggregation, a
+    write) in the same task: with many small partitions a task less per
+    output partition, and no unpacked partition kept in worker memory
+    between the two.  dask's ``Partitions`` reaches the shuffle through it
+    (the shuffle is not a broadcast operand), which then transfers only the
+    outputs asked for.
+    """
+
+    _parameters = ["shuffle"]
+
+    @functools.cached_property
+    def _name(self) -> str:
+        return f"gpushuffle-unpack-{self.deterministic_token}"
+
+    @functools.cached_property
+    def _meta(self) -> Any:
+        return self.shuffle._meta
+
+    def _divisions(self) -> tuple:
+        return self.shuffle.divisions
+
+    def _broadcast_dep(self, dep: Any) -> bool:
+        return False
+
+    def _task(self, name: Any, index: int) -> Any:
+        token = self.shuffle.token
+        part_out = self.shuffle._partitions[index]
+        return Task(name, unpack, token, part_out, TaskRef(barrier_key(ShuffleId(token))))
 
 
 def _own_partitioning(frame: Any) -> bool:
@@ -179,13 +219,15 @@ def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
         frame = PartitioningIndex(*frame.operands)
     # Like p2p, no Repartition first when reducing the partition count: the
     # shuffle itself maps any number of inputs to any number of outputs.
-    return GPUShuffle(
-        frame,
-        self.partitioning_index,
-        self.npartitions_out,
-        self.ignore_index,
-        self.options,
-        self.original_partitioning_index,
+    return GPUUnpack(
+        GPUShuffle(
+            frame,
+            self.partitioning_index,
+            self.npartitions_out,
+            self.ignore_index,
+            self.options,
+            self.original_partitioning_index,
+        )
     )
 
 
@@ -204,15 +246,28 @@ class GPUHashJoin(HashJoinP2P):
 
     @property
     def _funcname(self) -> str:
-        return "gpushuffle-join"
+        return "gpushuffle-hashjoin"
 
-    def _side(self, dsk: dict, side: str, parts_out: list[int]) -> tuple[str, Any]:
-        """Transfer tasks and barrier of one side; its token and barrier."""
+    @functools.cached_property
+    def tokens(self) -> dict[str, str]:
+        """The ids of the two sides' shuffle runs, by side."""
+        tokens = {}
+        for side, frame, on, index_merge in (
+            ("left", self.left, self.shuffle_left_on, self.left_index),
+            ("right", self.right, self.shuffle_right_on, self.right_index),
+        ):
+            # self._name is part of the token: two joins never share a run.
+            tokens[side] = _tokenize_deterministic(
+                self._name, frame._name, on, bool(index_merge), side
+            )
+        return tokens
+
+    def _side(self, dsk: dict, side: str, parts_out: list[int]) -> None:
+        """Transfer tasks and barrier of one side."""
         frame = self.left if side == "left" else self.right
         on = self.shuffle_left_on if side == "left" else self.shuffle_right_on
         index_merge = bool(self.left_index if side == "left" else self.right_index)
-        # self._name is part of the token: two joins never share a run.
-        token = _tokenize_deterministic(self._name, frame._name, on, index_merge, side)
+        token = self.tokens[side]
         backend_for(frame._meta)  # unsupported frame types fail here, not on workers
         transfers = []
         for i in range(frame.npartitions):
@@ -250,7 +305,6 @@ class GPUHashJoin(HashJoinP2P):
             ),
         )
         dsk[barrier.key] = barrier
-        return token, barrier
 
     @functools.cached_property
     def _keeps_index(self) -> bool:
@@ -264,31 +318,61 @@ class GPUHashJoin(HashJoinP2P):
     def _layer(self) -> dict:
         dsk: dict = {}
         parts_out = list(self._partitions)
-        token_left, barrier_left = self._side(dsk, "left", parts_out)
-        token_right, barrier_right = self._side(dsk, "right", parts_out)
-        # Keys count the outputs computed (0, 1, ...), as dask-expr expects of
-        # a filtered expression; dask's HashJoinP2P keys them by partition
-        # number, and `.partitions[2]` of a p2p join fails.
-        for i, part_out in enumerate(parts_out):
-            t = Task(
-                (self._name, i),
-                join_unpack,
-                token_left,
-                token_right,
-                part_out,
-                barrier_left.ref(),
-                barrier_right.ref(),
-                self.how,
-                self.left_on,
-                self.right_on,
-                self._meta,
-                self.suffixes,
-                self.left_index,
-                self.right_index,
-                self.indicator,
-            )
-            dsk[t.key] = t
+        self._side(dsk, "left", parts_out)
+        self._side(dsk, "right", parts_out)
         return dsk
+
+    def join_task(self, key: Any, part_out: int) -> Any:
+        """The task that assembles output ``part_out`` from both runs and merges it."""
+        left, right = self.tokens["left"], self.tokens["right"]
+        return Task(
+            key,
+            join_unpack,
+            left,
+            right,
+            part_out,
+            TaskRef(barrier_key(ShuffleId(left))),
+            TaskRef(barrier_key(ShuffleId(right))),
+            self.how,
+            self.left_on,
+            self.right_on,
+            self._meta,
+            self.suffixes,
+            self.left_index,
+            self.right_index,
+            self.indicator,
+        )
+
+
+class GPUJoin(Blockwise):
+    """The output partitions of a :class:`GPUHashJoin`, one merge task each.
+
+    Blockwise for the reasons of :class:`GPUUnpack`: dask fuses the steps
+    that follow the join (a filter, an assignment, a groupby's first
+    aggregation) into the task that merges its output.  Keys count the
+    outputs computed (0, 1, ...), as dask-expr expects of a filtered
+    expression; dask's HashJoinP2P keys them by partition number, and
+    ``.partitions[2]`` of a p2p join fails.
+    """
+
+    _parameters = ["join"]
+
+    @functools.cached_property
+    def _name(self) -> str:
+        return f"gpushuffle-join-{self.deterministic_token}"
+
+    @functools.cached_property
+    def _meta(self) -> Any:
+        return self.join._meta
+
+    def _divisions(self) -> tuple:
+        return self.join.divisions
+
+    def _broadcast_dep(self, dep: Any) -> bool:
+        return False
+
+    def _task(self, name: Any, index: int) -> Any:
+        return self.join.join_task(name, self.join._partitions[index])
 
 
 def _lower_merge_with_gpushuffle(self: Merge, _dask_lower: Any) -> Any:
@@ -313,19 +397,21 @@ def _lower_merge_with_gpushuffle(self: Merge, _dask_lower: Any) -> Any:
     added_left = isinstance(left, RearrangeByColumn) and left._name != self.left._name
     added_right = isinstance(right, RearrangeByColumn) and right._name != self.right._name
     if isinstance(lowered, BlockwiseMerge) and added_left and added_right:
-        return GPUHashJoin(
-            self.left,
-            self.right,
-            how=self.how,
-            left_on=self.left_on,
-            right_on=self.right_on,
-            left_index=self.left_index,
-            right_index=self.right_index,
-            suffixes=self.suffixes,
-            indicator=self.indicator,
-            shuffle_left_on=left.partitioning_index,
-            shuffle_right_on=right.partitioning_index,
-            _npartitions=left.npartitions_out,
+        return GPUJoin(
+            GPUHashJoin(
+                self.left,
+                self.right,
+                how=self.how,
+                left_on=self.left_on,
+                right_on=self.right_on,
+                left_index=self.left_index,
+                right_index=self.right_index,
+                suffixes=self.suffixes,
+                indicator=self.indicator,
+                shuffle_left_on=left.partitioning_index,
+                shuffle_right_on=right.partitioning_index,
+                _npartitions=left.npartitions_out,
+            )
         )
     if added_left:
         left = left.substitute_parameters({"method": method})

@@ -24,7 +24,8 @@ def phase_of(key: Any) -> str:
     """The phase of a task, from its key (runs on the scheduler).
 
     ``gpushuffle-transfer-<id>`` and ``gpushuffle-unpack-<id>`` are
-    gpushuffle's own tasks.  dask names the reader tasks ``read_parquet-...``
+    gpushuffle's own tasks (``gpushuffle-<step>-<id>`` an unpack that dask
+    fused with the blockwise steps after it).  dask names the reader tasks ``read_parquet-...``
     (``read_parquet-operation-...`` when fused with the next step) and the
     writer tasks ``toparquetdata-...`` and ``toparquetbarrier-...``; any
     other group keeps its prefix.
@@ -32,7 +33,9 @@ def phase_of(key: Any) -> str:
     name = key_split(key)
     if name == "gpushuffle-transfer":
         return "transfer"
-    if name == "gpushuffle-unpack":
+    if name.split("-")[0] == "gpushuffle":
+        # gpushuffle-unpack, or an unpack fused with the blockwise steps
+        # after it (gpushuffle-<step>..., as dask names fused tasks).
         return "unpack"
     if name == "shuffle-barrier":
         return "barrier"

@@ -272,6 +272,8 @@ def test_phase_of_task_keys():
     token = "e3b292791278554e8bb2a11593791b6f"
     assert phase_of((f"gpushuffle-transfer-{token}", 3)) == "transfer"
     assert phase_of((f"gpushuffle-unpack-{token}", 0)) == "unpack"
+    assert phase_of((f"gpushuffle-toparquetdata-{token}", 0)) == "unpack"  # fused
+    assert phase_of((f"gpushuffle-lambda-getitem-{token}", 0)) == "unpack"
     assert phase_of(f"shuffle-barrier-{token}") == "barrier"
     assert phase_of((f"read_parquet-{token}", 1)) == "read"
     assert phase_of((f"read_parquet-operation-{token}", 1)) == "read"

@@ -228,26 +228,37 @@ class CountReschedules(SchedulerPlugin):
         self.count = 0
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if key_split(key) == UNPACK and (start, finish) == ("processing", "released"):
+        name = key_split(key)
+        output = name.split("-")[0] == "gpushuffle" and name != TRANSFER  # unpack, maybe fused
+        if output and (start, finish) == ("processing", "released"):
             self.count += 1
 
 
+def _identity(part: Any) -> Any:
+    return part
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @cluster_test(n_workers=2, timeout=90)
-async def test_output_tasks_are_pinned_to_their_workers_as_the_run_starts(c, s, a, b):
-    """When the scheduler creates a run, every output task is restricted to
-    its output's worker: none first runs on another worker only to be sent
-    back (distributed's way, which with two workers ran about half of them
-    twice).  The restrictions are distributed's, and are lifted as it lifts
-    them when the run ends."""
+async def test_output_tasks_are_pinned_to_their_workers_as_the_run_starts(c, s, a, b, fused):
+    """When the scheduler creates a run, every output task (alone or fused
+    with a step after it) is restricted to its output's worker: none first
+    runs on another worker only to be sent back (distributed's way, which
+    with two workers ran about half of them twice).  The restrictions are
+    distributed's, and are lifted as it lifts them when the run ends."""
     expected = truth(NIN, ROWS, NOUT)
     counter = CountReschedules()
     s.add_plugin(counter)
-    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    shuffled = gpushuffled(NIN, ROWS, NOUT)
+    if fused:
+        shuffled = shuffled.map_partitions(_identity)
+    futures = c.compute(shuffled.to_delayed())
     shuffle_id = await wait_for_shuffle(s)
     # Checked in the same turn of the event loop as the run was created.
     worker_for = s.plugins["shuffle"].active_shuffles[shuffle_id].run_spec.worker_for
     outputs = s.tasks[barrier_key(shuffle_id)].dependents
     assert len(outputs) == NOUT
+    assert all((key_split(ts.key) == UNPACK) != fused for ts in outputs)
     assert {ts.key[1]: ts.worker_restrictions for ts in outputs} == {
         p: {w} for p, w in worker_for.items()
     }

@@ -13,11 +13,12 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.utils import key_split
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from truth import checksum
 
-from gpushuffle.api import GPUHashJoin, takes_gpushuffle
+from gpushuffle.api import GPUHashJoin, GPUJoin, takes_gpushuffle
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -178,6 +179,27 @@ def frames(n_left: int = 3000, n_right: int = 700, seed: int = 0):
     return left, right
 
 
+def test_steps_after_the_join_run_in_its_tasks(client):
+    """Blockwise steps after a gpushuffle join are fused into the tasks that
+    merge its outputs (no join keys of their own), and the result, also of
+    a selection of partitions, is pandas'."""
+    left, right = frames(seed=3)
+    dleft = dd.from_pandas(left, npartitions=5, sort=False)
+    dright = dd.from_pandas(right, npartitions=4, sort=False)
+    joined = dleft.merge(dright, on="k1", shuffle_method="gpushuffle")
+    after = joined[joined["v"] > 0.25].assign(w=lambda d: d["v"] * 2)
+    prefixes = {key_split(k) for k in after.optimize().__dask_graph__()}
+    assert "gpushuffle-join" not in prefixes
+    assert any(p.split("-")[0] == "gpushuffle" and p != "gpushuffle-transfer" for p in prefixes)
+    expected = left.merge(right, on="k1")
+    expected = expected[expected["v"] > 0.25].assign(w=lambda d: d["v"] * 2)
+    assert_same_rows(after.compute(), expected)
+    # Each partition alone (a filtered graph each): together pandas' rows.
+    singles = [after.partitions[i].compute() for i in range(after.npartitions)]
+    assert_same_rows(pd.concat(singles), expected)
+    assert_same_rows(after.partitions[[3, 0]].compute(), pd.concat([singles[3], singles[0]]))
+
+
 def test_graph_is_one_fused_join(client):
     left, right = frames()
     dleft = dd.from_pandas(left, npartitions=5, sort=False)
@@ -191,7 +213,8 @@ def test_graph_is_one_fused_join(client):
     assert not any(p.startswith(("merge", "blockwisemerge", "hash-join")) for p in prefixes)
     graph = joined.__dask_graph__()
     assert sum(1 for k in graph if str(k).startswith("shuffle-barrier")) == 2
-    assert isinstance(joined.optimize().expr, GPUHashJoin)
+    expr = joined.optimize().expr
+    assert isinstance(expr, GPUJoin) and isinstance(expr.join, GPUHashJoin)
     assert joined.npartitions == 5
     result = joined.compute()
     assert_same_rows(result, left.merge(right, on="k1"))

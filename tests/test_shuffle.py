@@ -252,6 +252,36 @@ def test_task_names(client):
     assert any(k.startswith("shuffle-barrier-") for k in keys)
 
 
+def _add_one_and_tag(part: pd.DataFrame) -> pd.DataFrame:
+    return part.assign(f=part["f"] + 1, rows=len(part))
+
+
+def test_unpack_fuses_with_the_blockwise_steps_after_it(client):
+    """Blockwise steps after the shuffle run in the unpack tasks (dask's
+    blockwise fusion): no unpack keys of their own in the optimized graph,
+    and partitions, including a selection of them, equal those of the
+    ``tasks`` method's shuffle followed by the same steps."""
+    pdf = make_frame(1500, seed=11)
+    df = dd.from_pandas(pdf, npartitions=5, sort=False)
+
+    def after(method: str) -> dd.DataFrame:
+        shuffled = df.shuffle("key", npartitions=7, shuffle_method=method)
+        return shuffled.map_partitions(_add_one_and_tag)[lambda d: d["row"] % 3 != 0]
+
+    ours, truth = after("gpushuffle"), after("tasks")
+    names = {key_split(k) for k in ours.optimize().__dask_graph__()}
+    assert "gpushuffle-unpack" not in names
+    fused = {n for n in names if n.split("-")[0] == "gpushuffle" and n != "gpushuffle-transfer"}
+    assert len(fused) == 1, names
+    parts = partitions_of(ours)
+    assert_same_partitions(parts, partitions_of(truth))
+    assert sum(map(len, parts)) == int((pdf["row"] % 3 != 0).sum())
+    # Partitions selected after the fused steps: only those are built.
+    some = ours.partitions[[5, 1]]
+    assert some.npartitions == 2
+    assert_same_partitions(partitions_of(some), partitions_of(truth.partitions[[5, 1]]))
+
+
 @pytest.mark.parametrize("upstream", ["none", "blockwise"])
 def test_partitioning_index_is_computed_inside_the_transfer_tasks(client, upstream):
     """dask's partitioning-index step runs in the transfer task, not as a

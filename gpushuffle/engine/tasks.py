@@ -23,6 +23,7 @@ from gpushuffle._distributed import (
     ShuffleId,
     ShuffleWorkerPlugin,
     Task,
+    execute_subgraph,
     get_worker_plugin,
     known_run,
 )
@@ -99,11 +100,16 @@ def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
 
 def output_partition_of(node: Any) -> int | None:
     """The output partition a task of gpushuffle's graph computes, read from
-    its run spec on the scheduler; None for any other task (a fused one)."""
+    its run spec on the scheduler (an unpack or join task, alone or fused
+    with the steps after it); None for any other task."""
     from gpushuffle.engine.join import join_unpack
 
     if not isinstance(node, Task):
         return None
+    if node.func is execute_subgraph:
+        # dask fused the unpack with the blockwise steps after it.
+        inner = {output_partition_of(t) for t in node.args[0].values()} - {None}
+        return inner.pop() if len(inner) == 1 else None
     position = 1 if node.func is unpack else 2 if node.func is join_unpack else None
     if position is None or len(node.args) <= position:
         return None

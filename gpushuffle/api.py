@@ -125,39 +125,51 @@ class GPUShuffle(SimpleShuffle):
         dsk[barrier.key] = barrier
         return dsk
 
+    def output_task(self, key: Any, part_out: int) -> Any:
+        """The task that assembles output ``part_out`` on its worker."""
+        return Task(key, unpack, self.token, part_out, TaskRef(barrier_key(ShuffleId(self.token))))
 
-class GPUUnpack(Blockwise):
-    """The output partitions of a :class:`GPUShuffle`, one unpack task each.
 
-    Blockwise, so that dask's blockwise fusion runs the steps that follow a
-    shuffle (``map_partitions``, a filter, a groupby's first aggregation, a
-    write) in the same task: with many small partitions a task less per
-    output partition, and no unpacked partition kept in worker memory
-    between the two.  dask's ``Partitions`` reaches the shuffle through it
-    (the shuffle is not a broadcast operand), which then transfers only the
-    outputs asked for.
+class _Outputs(Blockwise):
+    """The output partitions of a shuffle or join expression (its one
+    operand), one task each, built by the operand's ``output_task``.
+
+    Blockwise, so that dask's blockwise fusion runs the steps that follow
+    (``map_partitions``, a filter, a groupby's first aggregation, a write) in
+    the same task: with many small partitions a task less per output
+    partition, and no output kept in worker memory between the two.  The
+    operand is not a broadcast operand, so dask's ``Partitions`` reaches it
+    (it is ``PartitionsFiltered``) and only the outputs asked for are
+    computed.  Keys count the outputs computed (0, 1, ...), as dask-expr
+    expects of a filtered expression.
     """
 
-    _parameters = ["shuffle"]
+    _prefix: str
 
     @functools.cached_property
     def _name(self) -> str:
-        return f"gpushuffle-unpack-{self.deterministic_token}"
+        return f"{self._prefix}-{self.deterministic_token}"
 
     @functools.cached_property
     def _meta(self) -> Any:
-        return self.shuffle._meta
+        return self.operands[0]._meta
 
     def _divisions(self) -> tuple:
-        return self.shuffle.divisions
+        return self.operands[0].divisions
 
     def _broadcast_dep(self, dep: Any) -> bool:
         return False
 
     def _task(self, name: Any, index: int) -> Any:
-        token = self.shuffle.token
-        part_out = self.shuffle._partitions[index]
-        return Task(name, unpack, token, part_out, TaskRef(barrier_key(ShuffleId(token))))
+        source = self.operands[0]
+        return source.output_task(name, source._partitions[index])
+
+
+class GPUUnpack(_Outputs):
+    """The output partitions of a :class:`GPUShuffle`, one unpack task each."""
+
+    _parameters = ["shuffle"]
+    _prefix = "gpushuffle-unpack"
 
 
 def _own_partitioning(frame: Any) -> bool:
@@ -248,25 +260,25 @@ class GPUHashJoin(HashJoinP2P):
     def _funcname(self) -> str:
         return "gpushuffle-hashjoin"
 
+    def _inputs(self, side: str) -> tuple[Any, Any, bool]:
+        """One side's frame, shuffle key and whether it joins on its index."""
+        if side == "left":
+            return self.left, self.shuffle_left_on, bool(self.left_index)
+        return self.right, self.shuffle_right_on, bool(self.right_index)
+
     @functools.cached_property
     def tokens(self) -> dict[str, str]:
         """The ids of the two sides' shuffle runs, by side."""
+        # self._name is part of the token: two joins never share a run.
         tokens = {}
-        for side, frame, on, index_merge in (
-            ("left", self.left, self.shuffle_left_on, self.left_index),
-            ("right", self.right, self.shuffle_right_on, self.right_index),
-        ):
-            # self._name is part of the token: two joins never share a run.
-            tokens[side] = _tokenize_deterministic(
-                self._name, frame._name, on, bool(index_merge), side
-            )
+        for side in ("left", "right"):
+            frame, on, index_merge = self._inputs(side)
+            tokens[side] = _tokenize_deterministic(self._name, frame._name, on, index_merge, side)
         return tokens
 
     def _side(self, dsk: dict, side: str, parts_out: list[int]) -> None:
         """Transfer tasks and barrier of one side."""
-        frame = self.left if side == "left" else self.right
-        on = self.shuffle_left_on if side == "left" else self.shuffle_right_on
-        index_merge = bool(self.left_index if side == "left" else self.right_index)
+        frame, on, index_merge = self._inputs(side)
         token = self.tokens[side]
         backend_for(frame._meta)  # unsupported frame types fail here, not on workers
         transfers = []
@@ -322,7 +334,7 @@ class GPUHashJoin(HashJoinP2P):
         self._side(dsk, "right", parts_out)
         return dsk
 
-    def join_task(self, key: Any, part_out: int) -> Any:
+    def output_task(self, key: Any, part_out: int) -> Any:
         """The task that assembles output ``part_out`` from both runs and merges it."""
         left, right = self.tokens["left"], self.tokens["right"]
         return Task(
@@ -344,35 +356,13 @@ class GPUHashJoin(HashJoinP2P):
         )
 
 
-class GPUJoin(Blockwise):
+class GPUJoin(_Outputs):
     """The output partitions of a :class:`GPUHashJoin`, one merge task each.
-
-    Blockwise for the reasons of :class:`GPUUnpack`: dask fuses the steps
-    that follow the join (a filter, an assignment, a groupby's first
-    aggregation) into the task that merges its output.  Keys count the
-    outputs computed (0, 1, ...), as dask-expr expects of a filtered
-    expression; dask's HashJoinP2P keys them by partition number, and
-    ``.partitions[2]`` of a p2p join fails.
-    """
+    (dask's HashJoinP2P keys them by partition number, and ``.partitions[2]``
+    of a p2p join fails.)"""
 
     _parameters = ["join"]
-
-    @functools.cached_property
-    def _name(self) -> str:
-        return f"gpushuffle-join-{self.deterministic_token}"
-
-    @functools.cached_property
-    def _meta(self) -> Any:
-        return self.join._meta
-
-    def _divisions(self) -> tuple:
-        return self.join.divisions
-
-    def _broadcast_dep(self, dep: Any) -> bool:
-        return False
-
-    def _task(self, name: Any, index: int) -> Any:
-        return self.join.join_task(name, self.join._partitions[index])
+    _prefix = "gpushuffle-join"
 
 
 def _lower_merge_with_gpushuffle(self: Merge, _dask_lower: Any) -> Any:

@@ -17,6 +17,7 @@ hashes of a frame's columns (unchanged from pandas 1.x to 3.1), which
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,8 @@ from distributed.shuffle._limiter import ResourceLimiter
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 from pandas.core.util.hashing import combine_hash_arrays  # type: ignore[attr-defined]
 from pandas.util import hash_array
+
+logger = logging.getLogger(__name__)
 
 
 def known_run(
@@ -112,18 +115,30 @@ def pin_output_tasks(
     key = barrier_key(shuffle_id)
     workers = set(worker_for.values())
     pinned = 0
-    for scheduler in list(Scheduler._instances):
-        barrier = scheduler.tasks.get(key)
-        plugin = scheduler.plugins.get("shuffle")
-        if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
-            continue
-        for ts in barrier.dependents:
-            partition = partition_of(ts.run_spec)
-            worker = worker_for.get(partition) if partition is not None else None
-            if worker is not None:
-                plugin._set_restriction(ts, worker)  # type: ignore[attr-defined]
-                pinned += 1
-        break
+    try:
+        for scheduler in list(Scheduler._instances):
+            barrier = scheduler.tasks.get(key)
+            plugin = scheduler.plugins.get("shuffle")
+            if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
+                continue
+            for ts in barrier.dependents:
+                partition = partition_of(ts.run_spec)
+                worker = worker_for.get(partition) if partition is not None else None
+                if worker is not None:
+                    plugin._set_restriction(ts, worker)  # type: ignore[attr-defined]
+                    pinned += 1
+            break
+    except Exception:
+        # Pinning is an optimisation over private scheduler state: if a
+        # distributed upgrade changes it, the run must still start, with the
+        # tasks left to distributed's own first-run restriction.
+        logger.warning(
+            "gpushuffle could not pin the output tasks of shuffle %s (%d pinned); "
+            "they fall back to distributed's reschedule on first run",
+            shuffle_id,
+            pinned,
+            exc_info=True,
+        )
     return pinned
 
 

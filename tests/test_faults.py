@@ -271,6 +271,29 @@ async def test_output_tasks_are_pinned_to_their_workers_as_the_run_starts(c, s, 
     await finish(c, s)
 
 
+class SchedulerWithoutInstances:
+    """distributed's ``Scheduler`` as an upgrade might leave it: no ``_instances``."""
+
+
+@mock.patch("gpushuffle._distributed.Scheduler", SchedulerWithoutInstances)
+@cluster_test(n_workers=2, timeout=90)
+async def test_a_run_starts_when_output_tasks_cannot_be_pinned(c, s, a, b, caplog):
+    """Pinning reaches into the scheduler plugin's private API; where a
+    distributed upgrade changes it (simulated: ``Scheduler._instances`` gone),
+    the run still starts, says why in one warning, and its output tasks go
+    distributed's way (restricted on first run, rescheduled), with every
+    row delivered once."""
+    expected = truth(NIN, ROWS, NOUT)
+    with caplog.at_level("WARNING", logger="gpushuffle._distributed"):
+        parts = await c.gather(c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed()))
+    assert_correct(parts, expected)
+    warnings = [r for r in caplog.records if "could not pin the output tasks" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].exc_info is not None
+    await assert_workers_clean(c)
+    await finish(c, s)
+
+
 class InputsDoneTwice(GPUShuffleRun):
     """The scheduler's barrier retried while the first call still drains the
     shards held back for peers (it retries a worker that answered with an

@@ -298,6 +298,7 @@ def run_benchmark(
     from distributed import Client, LocalCluster, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
+    from gpushuffle.job import embedded_worker_preloads
 
     per_part = -(-rows // partitions)
     sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
@@ -306,6 +307,8 @@ def run_benchmark(
         threads_per_worker=threads,
         protocol=protocol,
         dashboard_address=":0",
+        # No shutdown noise from the workers (a heartbeat cut by the close).
+        preload=embedded_worker_preloads(),
     )
     settings: dict[str, Any] = {"distributed.worker.memory.terminate": False}
     if memory_limit is not None:

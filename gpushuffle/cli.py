@@ -355,7 +355,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
 
     import gpushuffle
     from gpushuffle.bench import make_partition
-    from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan
+    from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan, embedded_worker_preloads
 
     plan = detect_cluster_plan()
     if plan.note:
@@ -376,7 +376,12 @@ def demo(rows: int, partitions: int, workers: int) -> None:
             n_workers=min(workers, plan.gpus), dashboard_address=":0", **rmm_options("pool")
         )
     else:
-        cluster_cm = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0")
+        cluster_cm = LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),
+        )
     with cluster_cm as cluster, _quiet_shuffle_log(debug=False), Client(cluster) as client:
         nworkers = len(client.scheduler_info()["workers"])
         click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")

@@ -427,6 +427,16 @@ def _check_memory_limit(value: str | None) -> None:
 _WORKER_PRELOAD = "gpushuffle._embedded_worker"
 
 
+def embedded_worker_preloads() -> list[str]:
+    """Worker preloads for a cluster gpushuffle starts and closes itself
+    (``gpushuffle shuffle``, ``demo``, ``bench``): the configured ones plus
+    :mod:`gpushuffle._embedded_worker` (passing preloads replaces the
+    configured ones, so those are kept)."""
+    import dask
+
+    return [*dask.config.get("distributed.worker.preload", []), _WORKER_PRELOAD]
+
+
 @contextlib.contextmanager
 def _quiet_shuffle_log(debug: bool) -> Iterator[None]:
     # distributed's scheduler plugin logs a WARNING when each shuffle starts
@@ -455,7 +465,6 @@ def connect(
     logs a warning when each shuffle starts and ends, shown only with
     ``debug``.  Workers' warnings (pausing for lack of memory, say) show.
     """
-    import dask
     from distributed import Client
 
     if options.scheduler:
@@ -486,8 +495,7 @@ def connect(
         "protocol": options.protocol,
         "dashboard_address": ":8787",
         # Ctrl-C is this process's to handle: see gpushuffle._embedded_worker.
-        # Passing preloads replaces the configured ones, so keep those too.
-        "preload": [*dask.config.get("distributed.worker.preload", []), _WORKER_PRELOAD],
+        "preload": embedded_worker_preloads(),
     }
     if options.workers is not None:
         kwargs["n_workers"] = options.workers

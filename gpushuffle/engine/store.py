@@ -157,6 +157,7 @@ class ShardStore:
         self._backend = backend
         self._memory = memory
         self._directory = directory
+        self._directory_made = False  # made on the first spill, under the lock
         self._offload = offload
         self._wait_timeout = wait_timeout
         self._describe = describe
@@ -415,7 +416,9 @@ class ShardStore:
             # the directory after it was removed.
             with self._lock:
                 self._raise_if_closed()
-                os.makedirs(self._directory, exist_ok=True)
+                if not self._directory_made:
+                    os.makedirs(self._directory, exist_ok=True)
+                    self._directory_made = True
                 f = open(path, "ab")  # noqa: SIM115  (closed by the with below)
             with f:
                 offset = f.tell()

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from dask._task_spec import Task, TaskRef
+from dask._task_spec import Alias, Task, TaskRef
 from dask._task_spec import _execute_subgraph as execute_subgraph
 from dask.dataframe.dask_expr._expr import Assign, Blockwise, Fused
 from dask.dataframe.dask_expr._merge import (
@@ -143,6 +143,7 @@ def pin_output_tasks(
 
 
 __all__ = [
+    "Alias",
     "Assign",
     "AssignPartitioningIndex",
     "Blockwise",

@@ -24,6 +24,7 @@ from typing import Any
 
 from gpushuffle import config
 from gpushuffle._distributed import (
+    Alias,
     Assign,
     AssignPartitioningIndex,
     Blockwise,
@@ -94,6 +95,7 @@ class GPUShuffle(SimpleShuffle):
         dsk: dict = {}
         transfers = []
         fuse_input = _own_partitioning(self.frame)
+        aliases = _persisted_aliases(self.frame)
         for i in range(self.frame.npartitions):
             input_key = (self.frame._name, i)
             t = Task((f"gpushuffle-transfer-{token}", i), transfer, TaskRef(input_key), token, i)
@@ -103,6 +105,7 @@ class GPUShuffle(SimpleShuffle):
             # runs.  (The scheduler then never creates the index's own tasks:
             # no requested key depends on them.)
             node = Task.fuse(self.frame._task(input_key, i), t, key=t.key) if fuse_input else t
+            node = _read_persisted(node, aliases)
             dsk[node.key] = node
             transfers.append(TaskRef(node.key))
 
@@ -185,6 +188,32 @@ def _own_partitioning(frame: Any) -> bool:
     if isinstance(frame, Fused):
         frame = frame.exprs[0]
     return isinstance(frame, AssignPartitioningIndex)
+
+
+def _persisted_aliases(frame: Any) -> dict[Any, Any]:
+    """The alias keys of the persisted frames in ``frame``'s expression, with
+    the persisted keys they name.
+
+    dask names a persisted collection's partitions anew (``FromGraph``) and
+    maps each name to the persisted key with an ``Alias`` task.  Nothing
+    fuses those: each is a task the scheduler runs, on every computation, as
+    many as the transfer tasks that read them (with 1,000 small partitions, a
+    fifth of a shuffle's tasks).
+    """
+    aliases: dict[Any, Any] = {}
+    for expr in frame.walk():
+        if isinstance(expr, FromGraph):
+            for alias, key in zip(expr.__dask_keys__(), expr.operand("keys"), strict=True):
+                if alias != key:
+                    aliases[alias] = key
+    return aliases
+
+
+def _read_persisted(node: Any, aliases: dict[Any, Any]) -> Any:
+    """``node`` with the aliases it reads (:func:`_persisted_aliases`) run in
+    it: it depends on the persisted keys themselves."""
+    reads = [Alias(key, aliases[key]) for key in node.dependencies if key in aliases]
+    return Task.fuse(*reads, node, key=node.key) if reads else node
 
 
 def _persisted_input(frame: Any) -> bool:
@@ -282,6 +311,7 @@ class GPUHashJoin(HashJoinP2P):
         token = self.tokens[side]
         backend_for(frame._meta)  # unsupported frame types fail here, not on workers
         transfers = []
+        aliases = _persisted_aliases(frame)
         for i in range(frame.npartitions):
             t = Task(
                 (f"gpushuffle-transfer-{token}", i),
@@ -293,6 +323,7 @@ class GPUHashJoin(HashJoinP2P):
                 i,
                 index_merge,
             )
+            t = _read_persisted(t, aliases)
             dsk[t.key] = t
             transfers.append(t.ref())
         meta = frame._meta.assign(**{PARTITION_COLUMN: 0})

@@ -200,6 +200,26 @@ def test_steps_after_the_join_run_in_its_tasks(client):
     assert_same_rows(after.partitions[[3, 0]].compute(), pd.concat([singles[3], singles[0]]))
 
 
+def test_join_of_persisted_frames_runs_no_alias_tasks(client):
+    """The transfers of both sides read persisted partitions directly (see
+    ``test_transfers_read_persisted_partitions_without_alias_tasks``)."""
+    from distributed import get_task_stream, wait
+
+    left, right = frames(seed=5)
+    dleft = dd.from_pandas(left, npartitions=5, sort=False).persist()
+    dright = dd.from_pandas(right, npartitions=4, sort=False).persist()
+    wait([dleft, dright])
+    aliases = {dleft.expr._name, dright.expr._name}
+    joined = dleft.merge(dright, on="k1", shuffle_method="gpushuffle")
+    with get_task_stream(client) as stream:
+        result = joined.compute()
+    ran = [t["key"] for t in stream.data]
+    assert not any(isinstance(k, tuple) and k[0] in aliases for k in ran), ran
+    assert sum(key_split(k) == "gpushuffle-transfer" for k in ran) == 9
+    assert_same_rows(result, left.merge(right, on="k1"))
+    assert_meta_matches(joined, result)
+
+
 def test_graph_is_one_fused_join(client):
     left, right = frames()
     dleft = dd.from_pandas(left, npartitions=5, sort=False)

@@ -315,6 +315,34 @@ def test_partitioning_index_is_computed_inside_the_transfer_tasks(client, upstre
     check(ours.persist(), truth, source)
 
 
+def test_transfers_read_persisted_partitions_without_alias_tasks(client):
+    """dask names a persisted frame's partitions anew and maps each name to
+    the persisted key with an alias task, which nothing fuses: one task per
+    input partition on every computation (``tasks`` and ``p2p`` run them).
+    gpushuffle's transfers read the persisted keys: no alias task runs, and
+    the result is the ``tasks`` method's."""
+    from distributed import get_task_stream, wait
+
+    pdf = make_frame(2400, seed=8)
+    persisted = dd.from_pandas(pdf, npartitions=6, sort=False).persist()
+    wait(persisted)
+    alias_name = persisted.expr._name
+    ours = persisted.shuffle("key", npartitions=4, shuffle_method="gpushuffle")
+    truth = persisted.shuffle("key", npartitions=4, shuffle_method="tasks")
+    with get_task_stream(client) as stream:
+        truth.compute()
+    assert sum(t["key"][0] == alias_name for t in stream.data) == 6  # dask's way
+    with get_task_stream(client) as stream:
+        ours.compute()
+    ran = [t["key"] for t in stream.data]
+    assert not any(k[0] == alias_name for k in ran), ran
+    assert sum(key_split(k) == "gpushuffle-transfer" for k in ran) == 6
+    check(ours, truth, pdf)
+    # The persisted partitions are still there, and read again on the next run.
+    check(ours, truth, pdf)
+    del persisted
+
+
 def test_unsupported_frame_type_fails_at_graph_construction():
     from gpushuffle.backends import backend_for
 

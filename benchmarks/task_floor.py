@@ -45,10 +45,16 @@ def main(partitions: int, rows: int, workers: int, repeat: int) -> None:
 
     import gpushuffle  # noqa: F401  (registers the method)
     from gpushuffle.bench import machine_description, make_partition
+    from gpushuffle.job import embedded_worker_preloads
 
     per_part = max(1, rows // partitions)
     with (
-        LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+        LocalCluster(
+            n_workers=workers,
+            threads_per_worker=1,
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),
+        ) as cluster,
         Client(cluster),
     ):
         df = dd.from_map(

@@ -40,14 +40,18 @@ def run(
 
     import gpushuffle  # noqa: F401  (registers the method)
     from gpushuffle.bench import machine_description, versions
-    from gpushuffle.job import _quiet_shuffle_log
+    from gpushuffle.job import _quiet_shuffle_log, embedded_worker_preloads
 
     records: list[dict[str, Any]] = []
     parts = 16
     with (
         _quiet_shuffle_log(debug=False),
         LocalCluster(
-            n_workers=2, threads_per_worker=1, memory_limit=memory_limit, dashboard_address=":0"
+            n_workers=2,
+            threads_per_worker=1,
+            memory_limit=memory_limit,
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),
         ) as cluster,
         Client(cluster) as client,
     ):

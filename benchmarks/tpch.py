@@ -72,13 +72,17 @@ def run(
         machine_description,
         versions,
     )
+    from gpushuffle.job import embedded_worker_preloads
 
     truth = duckdb_results(data, queries)
     records: list[dict[str, Any]] = []
     with (
         dask.config.set({"distributed.worker.memory.terminate": False}),
         LocalCluster(
-            n_workers=workers, threads_per_worker=threads, dashboard_address=":0"
+            n_workers=workers,
+            threads_per_worker=threads,
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),
         ) as cluster,
         Client(cluster) as client,
     ):

@@ -166,6 +166,50 @@ def test_several_keys_default_partitions_and_summary_text(client, cluster, event
         assert checksum(ours, index=False) == checksum(theirs, index=False)
 
 
+class _CountTasks:
+    """A scheduler plugin counting the tasks run (processing -> memory) by name."""
+
+    name = "test-count-tasks"
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if (start, finish) == ("processing", "memory"):
+            name = key[0] if isinstance(key, tuple) else key
+            self.names.append(name.rsplit("-", 1)[0])  # less the token
+
+
+def test_files_are_read_in_transfers_and_written_in_unpacks(client, cluster, events, tmp_path):
+    """The command fuses what dask's ``compute`` leaves unfused (dask
+    2026.7.1): each input file is read inside its transfer task and each
+    output file written inside its unpack task, so no partition waits in
+    worker memory between two tasks; one task per input and per output."""
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    class Counter(_CountTasks, SchedulerPlugin):
+        pass
+
+    counter = Counter()
+    cluster.scheduler.add_plugin(counter)
+    try:
+        out = tmp_path / "fused"
+        r = gpushuffle(
+            "shuffle", str(events / "*.parquet"), out, "--on", "user_id", "--npartitions", "7",
+            "--quiet", "--scheduler", cluster.scheduler_address,
+        )  # fmt: skip
+    finally:
+        cluster.scheduler.remove_plugin(name=counter.name)
+    assert r.exit_code == 0, r.output
+    names = counter.names
+    assert names.count("gpushuffle-transfer") == 5, names
+    outputs = [n for n in names if n.startswith("gpushuffle-") and n != "gpushuffle-transfer"]
+    # The unpack, then dask's steps before the write (reset_index), then the write.
+    assert len(outputs) == 7 and all(n.endswith("-toparquetdata") for n in outputs), names
+    assert len(names) == 5 + 1 + 7 + 1, names  # and the shuffle's and the write's barriers
+    assert len(read_files(out)) == 7
+
+
 def test_named_index_is_kept(client, cluster, tmp_path):
     source = tmp_path / "indexed"
     source.mkdir()
@@ -261,9 +305,10 @@ def test_progress_bars_show_each_phase(client, cluster, events, tmp_path, capsys
         progress=True,
     )
     err = capsys.readouterr().err
-    for line in ("read ", "5/5", "transfer ", "unpack ", "3/3", "write "):
+    for line in ("5/5", "transfer ", "unpack ", "3/3", "write "):
         assert line in err
-    assert "barrier" not in err
+    # Files are read inside the transfer tasks: no read phase of its own.
+    assert "barrier" not in err and "read " not in err
 
 
 def test_phase_of_task_keys():
@@ -805,8 +850,11 @@ def test_task_floor_benchmark_reports_per_task_costs():
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0].startswith("8 partitions, 2 workers x 1 thread")
-    # Task counts come from each graph: len is one task per partition.
-    assert "(8 tasks)" in lines[1] and lines[3].startswith("gpushuffle, len")
+    # Tasks the scheduler ran: len, one per partition, after an alias task
+    # per persisted partition, then one concatenation; the shuffle runs no
+    # alias task (8 transfers, a barrier, 8 unpacks, 8 len, a concatenation).
+    assert "(17 tasks)" in lines[1], lines[1]
+    assert lines[3].startswith("gpushuffle, len") and "(26 tasks)" in lines[3], lines[3]
     assert "ms per transfer or unpack task" in lines[-1]
 
 

@@ -4,12 +4,14 @@ With many small partitions a shuffle's time is mostly per-task cost.  This
 times, on one ``LocalCluster`` and one persisted frame of ``--partitions``
 partitions: a blockwise ``map_partitions(len)`` (one task per partition),
 the same summed (a tree reduction on top), and a gpushuffle shuffle
-followed by ``len``.  Task counts are those the scheduler ran (after dask's
-optimization: the ``len`` after the shuffle runs in its unpack tasks, and
-the sum's first step in the ``len`` tasks).  The first two give
-distributed's cost per task on the machine; the shuffle's time less that
-cost for its tasks other than transfer and unpack, divided by its transfer
-and unpack tasks, is what each of those costs.
+followed by ``len``.  Task counts are those the scheduler ran: dask
+2026.7.1's ``compute`` does no blockwise fusion, so every step is a task
+(``len`` after each unpack too), and a persisted frame reaches each
+computation through one alias task per partition (gpushuffle's transfers
+read the persisted keys instead).  The first two give distributed's cost
+per task on the machine; the shuffle's time less that cost for its tasks
+other than transfer and unpack, divided by its transfer and unpack tasks,
+is what each of those costs.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from distributed.diagnostics.plugin import SchedulerPlugin
 from truth import checksum, partitions_of
 
 from gpushuffle import job
@@ -166,7 +167,7 @@ def test_several_keys_default_partitions_and_summary_text(client, cluster, event
         assert checksum(ours, index=False) == checksum(theirs, index=False)
 
 
-class _CountTasks:
+class _CountTasks(SchedulerPlugin):
     """A scheduler plugin counting the tasks run (processing -> memory) by name."""
 
     name = "test-count-tasks"
@@ -185,12 +186,7 @@ def test_files_are_read_in_transfers_and_written_in_unpacks(client, cluster, eve
     2026.7.1): each input file is read inside its transfer task and each
     output file written inside its unpack task, so no partition waits in
     worker memory between two tasks; one task per input and per output."""
-    from distributed.diagnostics.plugin import SchedulerPlugin
-
-    class Counter(_CountTasks, SchedulerPlugin):
-        pass
-
-    counter = Counter()
+    counter = _CountTasks()
     cluster.scheduler.add_plugin(counter)
     try:
         out = tmp_path / "fused"

@@ -62,8 +62,8 @@ class GPUShuffle(SimpleShuffle):
     The graph has distributed's P2P shape: one transfer task per input
     partition and one barrier task carrying the :class:`GPUShuffleSpec` (and
     so ``meta``, once).  The output partitions are :class:`GPUUnpack`'s, a
-    blockwise expression on top of this one, so that dask fuses whatever
-    blockwise steps follow the shuffle into the unpack tasks.  This
+    blockwise expression on top of this one, so that where dask fuses, the
+    blockwise steps after the shuffle run in the unpack tasks.  This
     expression's own keys ``(name, i)`` are never built: only
     :class:`GPUUnpack` depends on it, through the barrier's key.
     """
@@ -140,7 +140,9 @@ class _Outputs(Blockwise):
     Blockwise, so that dask's blockwise fusion runs the steps that follow
     (``map_partitions``, a filter, a groupby's first aggregation, a write) in
     the same task: with many small partitions a task less per output
-    partition, and no output kept in worker memory between the two.  The
+    partition, and no output kept in worker memory between the two.  dask
+    fuses on ``persist``, ``to_delayed`` and ``optimize``; the ``compute`` of
+    dask 2026.7.1 does no blockwise fusion, for any expression.  The
     operand is not a broadcast operand, so dask's ``Partitions`` reaches it
     (it is ``PartitionsFiltered``) and only the outputs asked for are
     computed.  Keys count the outputs computed (0, 1, ...), as dask-expr

@@ -51,10 +51,20 @@ from gpushuffle.errors import ShuffleInputError
 
 @dataclass(slots=True)
 class PandasTable:
-    """Rows of a pandas frame: 1-d column arrays in ``meta``'s order, and an index."""
+    """Rows of a pandas frame: 1-d column arrays in ``meta``'s order, and an index.
 
-    columns: list[Any]
-    index: pd.Index | None
+    A plain index (a ``RangeIndex``, or a ``pd.Index`` of numpy data) is
+    held as its numpy values, as the columns are; its name is meta's.  With
+    many output partitions a shuffle holds tens of thousands of slices of
+    small tables, and a ``pd.Index`` per slice cost more than all of its
+    columns' numpy views together: 1.5 us to make, and five objects that
+    Python's garbage collector walks on each full collection (the index,
+    its cache, and the weak reference pandas' copy-on-write keeps of every
+    view of an index), where a numpy view is one that it does not track.
+    """
+
+    columns: Sequence[Any]
+    index: np.ndarray | pd.Index | None
     #: Column labels, for error messages only (output names come from meta).
     names: tuple[Any, ...] = ()
     #: Addresses of the received buffers that are allocations of their own
@@ -63,7 +73,9 @@ class PandasTable:
     standalone: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
-        return len(self.columns[0]) if self.columns else len(self.index or ())
+        if self.columns:
+            return len(self.columns[0])
+        return 0 if self.index is None else len(self.index)
 
     def __reduce__(self) -> Any:
         # Shards travel through PandasBackend.serialize (pickle protocol 5,
@@ -214,7 +226,7 @@ def _take_rows(
     rows: np.ndarray,
     pool: HostBufferPool,
     bounds: np.ndarray | None = None,
-) -> tuple[list[Any], pd.Index | None]:
+) -> tuple[list[Any], np.ndarray | pd.Index | None]:
     """``rows`` of every column (and of ``index``), numpy data and the flat
     buffers of fixed-width extension arrays (:mod:`~gpushuffle.backends.flat`)
     into one pooled block.
@@ -253,7 +265,7 @@ def _take_rows(
         out += index.start
     else:
         np.take(index.values, rows, out=out, mode="clip")
-    return columns, pd.Index(out, name=index.name, copy=False)
+    return columns, out
 
 
 def _take_column(
@@ -295,10 +307,21 @@ def _output_cuts(bounds: np.ndarray) -> list[int]:
     return cuts[1:]
 
 
-def _index_rows(index: pd.Index, rows: np.ndarray) -> pd.Index:
+def _index_rows(index: pd.Index, rows: np.ndarray) -> np.ndarray | pd.Index:
+    """``index.take(rows)``: a plain index's as numpy values (see :class:`PandasTable`)."""
     if isinstance(index, pd.RangeIndex):
-        return pd.Index(rows * index.step + index.start, name=index.name, copy=False)
+        return rows * index.step + index.start
+    if _index_dtype(index) is not None:
+        return np.take(index.values, rows, mode="clip")
     return index.take(rows)
+
+
+def _as_index(index: np.ndarray | pd.Index) -> pd.Index:
+    return pd.Index(index, copy=False) if isinstance(index, np.ndarray) else index
+
+
+def _index_values(index: np.ndarray | pd.Index) -> np.ndarray:
+    return index if isinstance(index, np.ndarray) else index.values
 
 
 def _materialize(table: BorrowedRows) -> PandasTable:
@@ -747,7 +770,9 @@ class PandasBackend(TableBackend):
         if isinstance(table, BorrowedRows):
             return BorrowedRows(table.source, table.rows[start:stop])
         return PandasTable(
-            [c[start:stop] for c in table.columns],
+            # A tuple: once it holds only numpy views, the garbage collector
+            # stops tracking it (a list it walks on every full collection).
+            tuple([c[start:stop] for c in table.columns]),
             None if table.index is None else table.index[start:stop],
             table.names,
             table.standalone,
@@ -795,9 +820,9 @@ class PandasBackend(TableBackend):
                 builder.add_all([t.columns[i] for t in batch], standalone)
             if keep_index:
                 if index_builder is not None:
-                    index_builder.add_all([t.index.values for t in batch])  # type: ignore[union-attr]
+                    index_builder.add_all([_index_values(t.index) for t in batch])  # type: ignore[arg-type]
                 else:
-                    indexes.extend(t.index for t in batch)  # type: ignore[misc]
+                    indexes.extend(_as_index(t.index) for t in batch)  # type: ignore[arg-type]
             batch.clear()
             batch_bytes = 0
 
@@ -811,9 +836,9 @@ class PandasBackend(TableBackend):
                 if keep_index:
                     assert source.index is not None
                     if index_builder is not None:
-                        index_builder.add(_index_rows(source.index, rows).values)
+                        index_builder.add(_index_values(_index_rows(source.index, rows)))
                     else:
-                        indexes.append(_index_rows(source.index, rows))
+                        indexes.append(_as_index(_index_rows(source.index, rows)))
                 del table, source, rows
                 continue
             assert not keep_index or table.index is not None

@@ -85,8 +85,15 @@ class _Group:
     copy_nbytes: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Piece:
+    """One output partition's rows of a group (a view, or on disk).
+
+    With many output partitions a store holds tens of thousands of pieces:
+    slots, so that each is one object for the garbage collector to walk
+    rather than two.
+    """
+
     partition: int
     input_partition: int
     chunk: int

@@ -84,7 +84,7 @@ class PandasTable:
 
 
 def _nbytes(table: PandasTable) -> int:
-    total = sum(int(c.nbytes) for c in table.columns)
+    total = sum([int(c.nbytes) for c in table.columns])
     if table.index is not None:
         total += int(table.index.nbytes)
     return total
@@ -597,6 +597,19 @@ class _ColumnBuilder:
         """:meth:`add` each of ``values``; those that fit in one copy per buffer."""
         if len(values) > 1 and self.filling:
             assert self.outs is not None
+            if not self.extension and {(type(v), v.dtype) for v in values} == {
+                (np.ndarray, self.dtype)
+            }:
+                # numpy data of the column's dtype, the common case: one
+                # check for the batch (with many partitions a batch is
+                # hundreds of pieces of a row or two, and per-piece checks
+                # cost more than the copy).
+                n = sum([len(v) for v in values])
+                chunk = self.outs[0][self.position : self.position + n]
+                np.concatenate(values, out=chunk)
+                self.copied += chunk.nbytes
+                self.position += n
+                return
             fits = [self._fits(v) for v in values]
             fitting = [parts for parts in fits if parts is not None]
             if len(fitting) == len(values):

@@ -854,6 +854,23 @@ def test_task_floor_benchmark_reports_per_task_costs():
     assert "ms per transfer or unpack task" in lines[-1]
 
 
+def test_worker_cpu_benchmark_reports_threads_and_collections():
+    from benchmarks.worker_cpu import main
+
+    r = CliRunner().invoke(main, ["--rows", "4000", "--partitions", "20"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("4,000 rows in 20 partitions, numeric, gpushuffle, 2 workers")
+    cpu_lines = [line for line in lines if "CPU s:" in line]
+    assert len(cpu_lines) == 2  # one per worker
+    for line in cpu_lines:
+        # The shuffle ran on both workers: CPU on their event loops and task threads.
+        assert "MainThread" in line and "task threads" in line, line
+    gc_lines = [line for line in lines if " gc: " in line]
+    assert len(gc_lines) == 2 and all("gen0" in line for line in gc_lines), gc_lines
+    assert lines[-1].startswith("  CPU per worker, median:")
+
+
 def test_tight_memory_benchmark_records_each_run(tmp_path):
     from benchmarks.tight_memory import main
 

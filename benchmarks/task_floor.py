@@ -42,14 +42,12 @@ class CountFinished(SchedulerPlugin):
 @click.option("--workers", default=2, show_default=True)
 @click.option("--repeat", default=3, show_default=True)
 def main(partitions: int, rows: int, workers: int, repeat: int) -> None:
-    import dask.dataframe as dd
     from distributed import Client, LocalCluster, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import machine_description, make_partition
+    from gpushuffle.bench import generated_frame, machine_description
     from gpushuffle.job import embedded_worker_preloads
 
-    per_part = max(1, rows // partitions)
     with (
         LocalCluster(
             n_workers=workers,
@@ -59,15 +57,7 @@ def main(partitions: int, rows: int, workers: int, repeat: int) -> None:
         ) as cluster,
         Client(cluster),
     ):
-        df = dd.from_map(
-            make_partition,
-            range(partitions),
-            [per_part] * partitions,
-            [16] * partitions,
-            [rows] * partitions,
-            meta=make_partition(0, 0, 16, rows),
-            enforce_metadata=False,
-        ).persist()
+        df = generated_frame(rows, partitions).persist()
         wait(df)
         cases = {
             "len": lambda: df.map_partitions(len),

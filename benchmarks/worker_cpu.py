@@ -92,15 +92,12 @@ def _stop(dask_worker: Any) -> dict[str, Any]:
 @click.option("--method", default="gpushuffle", show_default=True)
 @click.option("--repeat", default=1, show_default=True)
 def main(rows: int, partitions: int, workers: int, dtypes: str, method: str, repeat: int) -> None:
-    import dask.dataframe as dd
     from distributed import Client, LocalCluster, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import machine_description, make_partition
+    from gpushuffle.bench import generated_frame, machine_description
     from gpushuffle.job import embedded_worker_preloads
 
-    per_part = -(-rows // partitions)
-    sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
     with (
         LocalCluster(
             n_workers=workers,
@@ -110,16 +107,7 @@ def main(rows: int, partitions: int, workers: int, dtypes: str, method: str, rep
         ) as cluster,
         Client(cluster) as client,
     ):
-        df = dd.from_map(
-            make_partition,
-            range(partitions),
-            sizes,
-            [16] * partitions,
-            [rows] * partitions,
-            [dtypes] * partitions,
-            meta=make_partition(0, 0, 16, rows, dtypes),
-            enforce_metadata=False,
-        ).persist()
+        df = generated_frame(rows, partitions, dtypes=dtypes).persist()
         wait(df)
 
         def shuffle() -> float:

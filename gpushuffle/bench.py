@@ -114,6 +114,26 @@ def make_partition(
     return pd.DataFrame(data)
 
 
+def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric") -> Any:
+    """The benchmarks' input, not yet computed: ``rows`` rows of
+    :func:`make_partition` in ``partitions`` partitions of equal size (the
+    last ones smaller where ``rows`` does not divide evenly)."""
+    import dask.dataframe as dd
+
+    per_part = -(-rows // partitions)
+    sizes = [max(0, min(per_part, rows - i * per_part)) for i in range(partitions)]
+    return dd.from_map(
+        make_partition,
+        range(partitions),
+        sizes,
+        [columns] * partitions,
+        [rows] * partitions,
+        [dtypes] * partitions,
+        meta=make_partition(0, 0, columns, rows, dtypes),
+        enforce_metadata=False,
+    )
+
+
 _VOCABULARY: Any = None
 
 
@@ -294,14 +314,11 @@ def run_benchmark(
     each run, and their RSS then is recorded (what a run left behind).
     """
     import dask
-    import dask.dataframe as dd
     from distributed import Client, LocalCluster, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
     from gpushuffle.job import embedded_worker_preloads
 
-    per_part = -(-rows // partitions)
-    sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
     cluster_kwargs: dict[str, Any] = dict(
         n_workers=workers,
         threads_per_worker=threads,
@@ -322,16 +339,7 @@ def run_benchmark(
         LocalCluster(**cluster_kwargs) as cluster,
         Client(cluster) as client,
     ):
-        df = dd.from_map(
-            make_partition,
-            range(partitions),
-            sizes,
-            [columns] * partitions,
-            [rows] * partitions,
-            [dtypes] * partitions,
-            meta=make_partition(0, 0, columns, rows, dtypes),
-            enforce_metadata=False,
-        ).persist()
+        df = generated_frame(rows, partitions, columns, dtypes).persist()
         wait(df)
         input_bytes = int(df.memory_usage(deep=True, index=True).sum().compute())
         context = {

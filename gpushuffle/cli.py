@@ -350,18 +350,15 @@ def demo(rows: int, partitions: int, workers: int) -> None:
     --workers is capped by their number (with one GPU no shard crosses the
     network: the check then covers partitioning, not the transport).
     """
-    import dask.dataframe as dd
     from distributed import Client, LocalCluster
 
     import gpushuffle
-    from gpushuffle.bench import make_partition
+    from gpushuffle.bench import generated_frame
     from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan, embedded_worker_preloads
 
     plan = detect_cluster_plan()
     if plan.note:
         click.echo(plan.note)
-    per_part = -(-rows // partitions)
-    sizes = [min(per_part, rows - i * per_part) for i in range(partitions)]
     if plan.kind == "LocalCUDACluster":
         from dask_cuda import LocalCUDACluster
 
@@ -385,14 +382,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
     with cluster_cm as cluster, _quiet_shuffle_log(debug=False), Client(cluster) as client:
         nworkers = len(client.scheduler_info()["workers"])
         click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")
-        df = dd.from_map(
-            make_partition,
-            range(partitions),
-            sizes,
-            [8] * partitions,
-            [rows] * partitions,
-            meta=make_partition(0, 0, 8, rows),
-        )
+        df = generated_frame(rows, partitions, columns=8)
         if plan.backend == "cudf":
             df = df.to_backend("cudf")
         df = df.persist()

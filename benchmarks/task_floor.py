@@ -42,19 +42,13 @@ class CountFinished(SchedulerPlugin):
 @click.option("--workers", default=2, show_default=True)
 @click.option("--repeat", default=3, show_default=True)
 def main(partitions: int, rows: int, workers: int, repeat: int) -> None:
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import generated_frame, machine_description
-    from gpushuffle.job import embedded_worker_preloads
+    from gpushuffle.bench import benchmark_cluster, generated_frame, machine_description
 
     with (
-        LocalCluster(
-            n_workers=workers,
-            threads_per_worker=1,
-            dashboard_address=":0",
-            preload=embedded_worker_preloads(),
-        ) as cluster,
+        benchmark_cluster(workers) as cluster,
         Client(cluster),
     ):
         df = generated_frame(rows, partitions).persist()

@@ -36,23 +36,17 @@ def run(
     memory_limit: str, rows: int, methods: list[str], repeat: int, timeout: float
 ) -> list[dict[str, Any]]:
     import dask.dataframe as dd
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import machine_description, versions
-    from gpushuffle.job import _quiet_shuffle_log, embedded_worker_preloads
+    from gpushuffle.bench import benchmark_cluster, machine_description, versions
+    from gpushuffle.job import _quiet_shuffle_log
 
     records: list[dict[str, Any]] = []
     parts = 16
     with (
         _quiet_shuffle_log(debug=False),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            memory_limit=memory_limit,
-            dashboard_address=":0",
-            preload=embedded_worker_preloads(),
-        ) as cluster,
+        benchmark_cluster(2, memory_limit=memory_limit) as cluster,
         Client(cluster) as client,
     ):
         df = dd.from_map(_part, range(parts), [rows // parts] * parts).persist()

@@ -60,7 +60,7 @@ def run(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import dask
     import dask.dataframe as dd
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
     from gpushuffle.bench import (
@@ -69,21 +69,16 @@ def run(
         _start_sampler,
         _stop_sampler,
         _wait_until_released,
+        benchmark_cluster,
         machine_description,
         versions,
     )
-    from gpushuffle.job import embedded_worker_preloads
 
     truth = duckdb_results(data, queries)
     records: list[dict[str, Any]] = []
     with (
         dask.config.set({"distributed.worker.memory.terminate": False}),
-        LocalCluster(
-            n_workers=workers,
-            threads_per_worker=threads,
-            dashboard_address=":0",
-            preload=embedded_worker_preloads(),
-        ) as cluster,
+        benchmark_cluster(workers, threads) as cluster,
         Client(cluster) as client,
     ):
         tables = {t: dd.read_parquet(os.path.join(data, t)).persist() for t in TABLES}

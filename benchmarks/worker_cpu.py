@@ -92,19 +92,13 @@ def _stop(dask_worker: Any) -> dict[str, Any]:
 @click.option("--method", default="gpushuffle", show_default=True)
 @click.option("--repeat", default=1, show_default=True)
 def main(rows: int, partitions: int, workers: int, dtypes: str, method: str, repeat: int) -> None:
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import generated_frame, machine_description
-    from gpushuffle.job import embedded_worker_preloads
+    from gpushuffle.bench import benchmark_cluster, generated_frame, machine_description
 
     with (
-        LocalCluster(
-            n_workers=workers,
-            threads_per_worker=1,
-            dashboard_address=":0",
-            preload=embedded_worker_preloads(),
-        ) as cluster,
+        benchmark_cluster(workers) as cluster,
         Client(cluster) as client,
     ):
         df = generated_frame(rows, partitions, dtypes=dtypes).persist()

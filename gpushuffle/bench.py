@@ -114,6 +114,23 @@ def make_partition(
     return pd.DataFrame(data)
 
 
+def benchmark_cluster(workers: int, threads: int = 1, **kwargs: Any) -> Any:
+    """The ``LocalCluster`` a benchmark starts and closes itself: no
+    dashboard, and the embedded-worker preload, so that closing it prints no
+    shutdown noise (a heartbeat cut by the close)."""
+    from distributed import LocalCluster
+
+    from gpushuffle.job import embedded_worker_preloads
+
+    return LocalCluster(
+        n_workers=workers,
+        threads_per_worker=threads,
+        dashboard_address=":0",
+        preload=embedded_worker_preloads(),
+        **kwargs,
+    )
+
+
 def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric") -> Any:
     """The benchmarks' input, not yet computed: ``rows`` rows of
     :func:`make_partition` in ``partitions`` partitions of equal size (the
@@ -314,19 +331,10 @@ def run_benchmark(
     each run, and their RSS then is recorded (what a run left behind).
     """
     import dask
-    from distributed import Client, LocalCluster, wait
+    from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.job import embedded_worker_preloads
 
-    cluster_kwargs: dict[str, Any] = dict(
-        n_workers=workers,
-        threads_per_worker=threads,
-        protocol=protocol,
-        dashboard_address=":0",
-        # No shutdown noise from the workers (a heartbeat cut by the close).
-        preload=embedded_worker_preloads(),
-    )
     settings: dict[str, Any] = {"distributed.worker.memory.terminate": False}
     if memory_limit is not None:
         # The store's budget on each worker (the Nanny hands the worker this
@@ -336,7 +344,7 @@ def run_benchmark(
     results: list[Result] = []
     with (
         dask.config.set(settings),
-        LocalCluster(**cluster_kwargs) as cluster,
+        benchmark_cluster(workers, threads, protocol=protocol) as cluster,
         Client(cluster) as client,
     ):
         df = generated_frame(rows, partitions, columns, dtypes).persist()

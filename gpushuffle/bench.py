@@ -11,6 +11,7 @@ themselves every 20 ms.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -18,7 +19,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -114,21 +115,30 @@ def make_partition(
     return pd.DataFrame(data)
 
 
-def benchmark_cluster(workers: int, threads: int = 1, **kwargs: Any) -> Any:
+@contextlib.contextmanager
+def benchmark_cluster(
+    workers: int, threads: int = 1, quiet: bool = True, **kwargs: Any
+) -> Iterator[Any]:
     """The ``LocalCluster`` a benchmark starts and closes itself: no
     dashboard, and the embedded-worker preload, so that closing it prints no
-    shutdown noise (a heartbeat cut by the close)."""
+    shutdown noise (a heartbeat cut by the close).  With ``quiet`` the
+    scheduler's WARNING at every shuffle's start and end stays out of the
+    output (``gpushuffle bench`` leaves that to its ``--debug``)."""
     from distributed import LocalCluster
 
-    from gpushuffle.job import embedded_worker_preloads
+    from gpushuffle.job import _quiet_shuffle_log, embedded_worker_preloads
 
-    return LocalCluster(
-        n_workers=workers,
-        threads_per_worker=threads,
-        dashboard_address=":0",
-        preload=embedded_worker_preloads(),
-        **kwargs,
-    )
+    with (
+        LocalCluster(
+            n_workers=workers,
+            threads_per_worker=threads,
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),
+            **kwargs,
+        ) as cluster,
+        _quiet_shuffle_log(debug=not quiet),
+    ):
+        yield cluster
 
 
 def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric") -> Any:
@@ -344,7 +354,7 @@ def run_benchmark(
     results: list[Result] = []
     with (
         dask.config.set(settings),
-        benchmark_cluster(workers, threads, protocol=protocol) as cluster,
+        benchmark_cluster(workers, threads, quiet=False, protocol=protocol) as cluster,
         Client(cluster) as client,
     ):
         df = generated_frame(rows, partitions, columns, dtypes).persist()

@@ -759,3 +759,36 @@ def test_a_local_group_is_borrowed_only_when_its_pieces_are_large(nrows, nparts,
         out = backend.concat([piece], meta, keep_index=True)
         expected = df[df["_partitions"] == p].drop(columns="_partitions")
         pd.testing.assert_frame_equal(out, expected)
+
+
+def test_borrowed_rows_keep_compact_positions_of_their_own():
+    """Borrowed rows wait in the store until the unpack: their positions are
+    an int32 array of their own, not a view that keeps the split's whole
+    int64 sort order alive (both groups' rows) for as long; the pieces
+    still come out as pandas has them, index included."""
+    from gpushuffle.backends.pandas import BorrowedRows
+
+    backend = PandasBackend()
+    nrows, nparts = 64_000, 8
+    df = frame_with_partitions(nrows, nparts, seed=5)
+    rank = np.arange(nparts, dtype=np.int16)
+    half = nparts // 2
+    tables, offsets = backend.split_groups(
+        df, "_partitions", rank, nparts, True, [(0, half), (half, nparts)], borrow=1
+    )
+    local = tables[1]
+    assert isinstance(local, BorrowedRows)
+    assert local.rows.dtype == np.int32
+    assert local.rows.base is None  # not a view of the sort order
+    assert local.rows.nbytes == 4 * len(local)
+    meta = df.iloc[:0].drop(columns="_partitions")
+    start = int(offsets[half])
+    for p in range(half, nparts):
+        piece = backend.slice(local, int(offsets[p]) - start, int(offsets[p + 1]) - start)
+        out = backend.concat([piece], meta, keep_index=True)
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        pd.testing.assert_frame_equal(out, expected)
+    # Copied out before a spill: the same rows.
+    whole = backend.concat([backend.materialize(local)], meta, keep_index=True)
+    expected = df[df["_partitions"] >= half].drop(columns="_partitions")
+    pd.testing.assert_frame_equal(whole.sort_index(), expected.sort_index())

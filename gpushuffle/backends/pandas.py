@@ -123,7 +123,12 @@ class _Source:
 
 @dataclass(slots=True, eq=False)
 class BorrowedRows:
-    """Rows of an input partition by position, not copied (see the module docstring)."""
+    """Rows of an input partition by position, not copied (see the module docstring).
+
+    ``rows`` are kept as int32 where the input allows (:func:`_kept_positions`)
+    and widened once per piece where they are gathered
+    (:func:`_gather_positions`).
+    """
 
     source: _Source
     rows: np.ndarray
@@ -142,6 +147,20 @@ class BorrowedRows:
 #: 425 gathers per input instead of 17 for a copy at the split), while what
 #: a copy of such a group keeps in memory is small, and charged to the store.
 _BORROW_MIN_PIECE_ROWS = 256
+
+
+def _kept_positions(rows: np.ndarray, nrows: int) -> np.ndarray:
+    """``rows`` (positions in an input of ``nrows`` rows) to keep until the
+    unpack: a copy, so the split's whole sort order is not held for them,
+    and int32 where that holds every position: half the memory, for as long
+    as the borrowed rows wait."""
+    return rows.astype(np.int32 if nrows <= np.iinfo(np.int32).max else np.intp)
+
+
+def _gather_positions(rows: np.ndarray) -> np.ndarray:
+    """Kept positions as the index type numpy gathers with (``np.take``
+    would convert them again for every column)."""
+    return rows.astype(np.intp, copy=False)
 
 
 def _worth_borrowing(counts: np.ndarray, first: int, last: int) -> bool:
@@ -327,7 +346,8 @@ def _index_values(index: np.ndarray | pd.Index) -> np.ndarray:
 def _materialize(table: BorrowedRows) -> PandasTable:
     """The borrowed rows copied out of their input (before a spill)."""
     source = table.source
-    columns, index = _take_rows(source.values, source.index, table.rows, host_pool())
+    rows = _gather_positions(table.rows)
+    columns, index = _take_rows(source.values, source.index, rows, host_pool())
     copies.count("split", _nbytes(PandasTable(columns, index)))
     return PandasTable(columns, index, source.names)
 
@@ -766,7 +786,7 @@ class PandasBackend(TableBackend):
         for group, (first, last) in enumerate(groups):
             rows = order[offsets[first] : offsets[last]]
             if group == borrow and source is not None:
-                tables.append(BorrowedRows(source, rows))
+                tables.append(BorrowedRows(source, _kept_positions(rows, source.nrows)))
                 continue
             # Each group's numpy columns share one pooled block of their own.
             bounds = offsets[first : last + 1] - offsets[first]
@@ -842,7 +862,7 @@ class PandasBackend(TableBackend):
         for table in tables:
             if isinstance(table, BorrowedRows):
                 flush()
-                source, rows = table.source, table.rows
+                source, rows = table.source, _gather_positions(table.rows)
                 arrow_rows: list[pa.Array] = []
                 for i, builder in enumerate(columns):
                     builder.add_taken(source.values[i], rows, arrow_rows)

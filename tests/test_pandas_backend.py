@@ -733,6 +733,32 @@ def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output(
     assert not block_start <= chunk.buffers()[2].address < block_start + block.nbytes
 
 
+def _split_keeping_the_upper_half(df, nparts):
+    """``split_groups`` of ``df`` into two groups of output partitions, the
+    upper half local (borrowed where worth it): that group's table, and the
+    split's offsets."""
+    rank = np.arange(nparts, dtype=np.int16)
+    half = nparts // 2
+    groups = [(0, half), (half, nparts)]
+    tables, offsets = PandasBackend().split_groups(
+        df, "_partitions", rank, nparts, True, groups, borrow=1
+    )
+    return tables[1], offsets
+
+
+def _assert_local_pieces_match_pandas(local, offsets, df, nparts):
+    """Each output partition's piece of the local group, as pandas selects it."""
+    backend = PandasBackend()
+    meta = df.iloc[:0].drop(columns="_partitions")
+    half = nparts // 2
+    start = int(offsets[half])
+    for p in range(half, nparts):
+        piece = backend.slice(local, int(offsets[p]) - start, int(offsets[p + 1]) - start)
+        out = backend.concat([piece], meta, keep_index=True)
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        pd.testing.assert_frame_equal(out, expected)
+
+
 @pytest.mark.parametrize(
     ("nrows", "nparts", "borrowed"),
     [(64_000, 8, True), (2_000, 500, False)],  # 8,000 and 4 rows per output partition
@@ -744,21 +770,10 @@ def test_a_local_group_is_borrowed_only_when_its_pieces_are_large(nrows, nparts,
     come out the same either way."""
     from gpushuffle.backends.pandas import BorrowedRows
 
-    backend = PandasBackend()
     df = frame_with_partitions(nrows, nparts, seed=3)
-    rank = np.arange(nparts, dtype=np.int16)
-    half = nparts // 2
-    groups = [(0, half), (half, nparts)]
-    tables, offsets = backend.split_groups(df, "_partitions", rank, nparts, True, groups, borrow=1)
-    local = tables[1]
+    local, offsets = _split_keeping_the_upper_half(df, nparts)
     assert isinstance(local, BorrowedRows) == borrowed
-    meta = df.iloc[:0].drop(columns="_partitions")
-    start = int(offsets[half])
-    for p in range(half, nparts):
-        piece = backend.slice(local, int(offsets[p]) - start, int(offsets[p + 1]) - start)
-        out = backend.concat([piece], meta, keep_index=True)
-        expected = df[df["_partitions"] == p].drop(columns="_partitions")
-        pd.testing.assert_frame_equal(out, expected)
+    _assert_local_pieces_match_pandas(local, offsets, df, nparts)
 
 
 def test_borrowed_rows_keep_compact_positions_of_their_own():
@@ -768,27 +783,17 @@ def test_borrowed_rows_keep_compact_positions_of_their_own():
     still come out as pandas has them, index included."""
     from gpushuffle.backends.pandas import BorrowedRows
 
-    backend = PandasBackend()
-    nrows, nparts = 64_000, 8
-    df = frame_with_partitions(nrows, nparts, seed=5)
-    rank = np.arange(nparts, dtype=np.int16)
-    half = nparts // 2
-    tables, offsets = backend.split_groups(
-        df, "_partitions", rank, nparts, True, [(0, half), (half, nparts)], borrow=1
-    )
-    local = tables[1]
+    nparts = 8
+    df = frame_with_partitions(64_000, nparts, seed=5)
+    local, offsets = _split_keeping_the_upper_half(df, nparts)
     assert isinstance(local, BorrowedRows)
     assert local.rows.dtype == np.int32
     assert local.rows.base is None  # not a view of the sort order
     assert local.rows.nbytes == 4 * len(local)
-    meta = df.iloc[:0].drop(columns="_partitions")
-    start = int(offsets[half])
-    for p in range(half, nparts):
-        piece = backend.slice(local, int(offsets[p]) - start, int(offsets[p + 1]) - start)
-        out = backend.concat([piece], meta, keep_index=True)
-        expected = df[df["_partitions"] == p].drop(columns="_partitions")
-        pd.testing.assert_frame_equal(out, expected)
+    _assert_local_pieces_match_pandas(local, offsets, df, nparts)
     # Copied out before a spill: the same rows.
+    backend = PandasBackend()
+    meta = df.iloc[:0].drop(columns="_partitions")
     whole = backend.concat([backend.materialize(local)], meta, keep_index=True)
-    expected = df[df["_partitions"] >= half].drop(columns="_partitions")
+    expected = df[df["_partitions"] >= nparts // 2].drop(columns="_partitions")
     pd.testing.assert_frame_equal(whole.sort_index(), expected.sort_index())

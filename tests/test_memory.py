@@ -199,10 +199,13 @@ def test_pool_keeps_blocks_while_shuffles_run_and_unmaps_them_after_the_grace_pe
     assert pool.usage()["free"] >= 72 << 20
     again = pool.empty(60 << 20, np.uint8)  # the next split or unpack reuses it
     assert pool.statistics.reused == 1
-    time.sleep(0.6)  # unused for an eighth of idle_release while a shuffle runs: unmapped
+    time.sleep(0.6)  # the shuffle still transfers: free blocks wait for its unpack
+    assert pool.usage()["free"] >= 8 << 20
+    assert pool.count_unpack()
+    time.sleep(0.6)  # unused for an eighth of idle_release while it unpacks: unmapped
     assert pool.usage()["free"] == 0
     del again
-    pool.unhold()  # the shuffle ended: its blocks stay for the grace period ...
+    pool.unhold(unpacked=True)  # the shuffle ended: its blocks stay for the grace period ...
     time.sleep(0.1)
     pool.hold()  # ... and a shuffle that follows closely still reuses them
     again = pool.empty(60 << 20, np.uint8)
@@ -382,29 +385,63 @@ def test_cancelled_shuffle_leaves_no_spill_files():
             time.sleep(0.1)
 
 
-def test_free_blocks_go_once_every_shuffle_on_the_worker_unpacks():
-    """Split buffers freed by a transfer rarely fit whole output partitions:
-    they go when the last shuffle holding the pool starts its unpack, not
-    while another one still transfers (and would reuse them)."""
+def test_free_blocks_serve_the_unpack_and_the_unused_ones_go_once_every_shuffle_unpacks():
+    """Split buffers a transfer gave back wait for the unpack, whose outputs
+    take them up (spread over several when none holds a whole output);
+    once every shuffle holding the pool unpacks, those nobody takes go."""
     from gpushuffle.engine.pool import HostBufferPool
 
-    pool = HostBufferPool(limit=1 << 30, idle_release=0)
+    pool = HostBufferPool(limit=1 << 30, idle_release=1.6)
     pool.hold()
     pool.hold()  # a second shuffle, still transferring
-    kept = pool.empty(3 << 20, np.uint8, tag="split")
-    for size in (2 << 20, 5 << 20):
-        pool.empty(size, np.uint8, tag="split")[:] = 1  # freed at once
-    assert pool.usage()["free"] >= 7 << 20
-    assert not pool.count_unpack()  # the other one transfers: kept
-    assert pool.usage()["free"] >= 7 << 20
-    assert pool.count_unpack()  # every shuffle unpacks: what ShardStore then calls
-    assert pool.release_free() >= 7 << 20
-    assert pool.usage()["free"] == 0 and pool.usage()["split"] >= 3 << 20  # in use: kept
-    del kept
-    assert pool.usage()["free"] >= 3 << 20
+    splits = [pool.empty(size << 20, np.uint8, tag="split") for size in (8, 8, 8, 3)]
+    for split in splits:
+        split[:] = 1
+    del splits, split
+    assert pool.usage()["free"] >= 27 << 20
+    assert not pool.count_unpack()  # the other one transfers: kept, however long
+    time.sleep(0.4)
+    assert pool.usage()["free"] >= 27 << 20
+    assert pool.count_unpack()  # every shuffle unpacks
+    # An output of 16 MiB of columns: two split blocks hold it, no fresh pages.
+    fresh = pool.statistics.bytes_fresh
+    output = pool.empty_buffers([5 << 20, 3 << 20, 4 << 20, 4 << 20], tag="unpack")
+    assert [b.nbytes for b in output] == [5 << 20, 3 << 20, 4 << 20, 4 << 20]
+    assert pool.statistics.bytes_fresh == fresh
+    assert pool.statistics.reused == 2 and pool.usage()["unpack"] >= 16 << 20
+    assert {b.ctypes.data for b in output[:2]} != {b.ctypes.data for b in output[2:]}
+    for b in output:
+        b[:] = 7  # separate memory: each buffer keeps its own bytes
+    assert all((b == 7).all() for b in output)
+    assert pool.usage()["free"] >= 11 << 20  # the third split block and the 3 MiB one ...
+    time.sleep(0.5)  # ... unused for an eighth of idle_release while every shuffle unpacks
+    assert pool.usage()["free"] == 0
+    del output, b
+    assert pool.usage()["free"] >= 16 << 20  # the outputs' blocks, for the next shuffle
     pool.unhold(unpacked=True)
     pool.unhold(unpacked=True)
     assert pool._activity.active == pool._activity.unpacking == 0
+
+
+def test_buffers_share_a_block_that_holds_them_all_and_spread_over_free_ones_otherwise():
+    from gpushuffle.engine.pool import HostBufferPool
+
+    pool = HostBufferPool(limit=1 << 30, idle_release=0)
+    pool.empty(2 << 20, np.uint8)  # dropped at once: a free 2 MiB block
+    three = pool.empty_buffers([1 << 20, 1 << 20, 1 << 20])
+    # The first two fill the free block, the third gets a fresh one.
+    assert pool.statistics.reused == 1
+    assert pool.statistics.bytes_fresh == (2 << 20) + (1 << 20)
+    assert three[1].ctypes.data - three[0].ctypes.data == 1 << 20
+    del three
+    pool.empty(4 << 20, np.uint8)  # a free block that holds them all
+    reused = pool.statistics.reused
+    three = pool.empty_buffers([1 << 20, 1 << 20, 1 << 20])
+    assert pool.statistics.reused == reused + 1
+    starts = [b.ctypes.data for b in three]
+    assert starts[1] - starts[0] == starts[2] - starts[1] == 1 << 20  # one block
+    small = pool.empty_buffers([1000, 2000])  # under MIN_POOLED_BYTES: the allocator's
+    assert [b.nbytes for b in small] == [1000, 2000]
 
 
 @pytest.mark.parametrize("idle_release", [0.0, 0.05])

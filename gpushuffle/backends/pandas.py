@@ -214,20 +214,20 @@ _ALIGN = 64
 
 
 def _carve(pool: HostBufferPool, n: int, dtypes: Sequence[np.dtype], tag: str) -> list[np.ndarray]:
-    """Arrays of ``n`` items, one per dtype, carved from one pooled block.
+    """Arrays of ``n`` items, one per dtype, carved from pooled blocks.
 
-    They live and die together: the block goes back to the pool when the
-    last of them (and of their views) is gone.  One block per shard or
+    Arrays of one block live and die together: it goes back to the pool when
+    the last of them (and of their views) is gone.  One block per shard or
     output instead of one per column means fewer, larger blocks, which the
-    pool reuses more easily and the kernel can back with huge pages.
+    pool reuses more easily; where the pool has free blocks smaller than the
+    whole, the arrays are spread over them (:meth:`HostBufferPool.empty_buffers`).
     """
     sizes = [-(-n * dtype.itemsize // _ALIGN) * _ALIGN for dtype in dtypes]
-    block = pool.empty(sum(sizes), np.uint8, tag=tag)
-    arrays, start = [], 0
-    for dtype, size in zip(dtypes, sizes, strict=True):
-        arrays.append(block[start : start + n * dtype.itemsize].view(dtype))
-        start += size
-    return arrays
+    buffers = pool.empty_buffers(sizes, tag=tag)
+    return [
+        buffer[: n * dtype.itemsize].view(dtype)
+        for buffer, dtype in zip(buffers, dtypes, strict=True)
+    ]
 
 
 def _index_dtype(index: pd.Index) -> np.dtype | None:

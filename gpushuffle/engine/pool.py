@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,9 +391,66 @@ class HostBufferPool:
         self._ensure_trimmer()
         return np.frombuffer(owner, dtype=dtype, count=n)  # type: ignore[call-overload]
 
+    def empty_buffers(self, sizes: Sequence[int], tag: str = "other") -> list[np.ndarray]:
+        """Uninitialized uint8 buffers of ``sizes`` bytes, consecutive ones
+        sharing a block.
+
+        Where no free block holds them all, runs of them go into the free
+        blocks the pool has (the largest first), and only what none of those
+        holds into a fresh one: a transfer's split buffers, given back once
+        sent, then serve the unpack's outputs (and those, given back, the
+        next transfer's splits) instead of fresh pages, which cost far more
+        than the copies into them.  A buffer is never cut across blocks.
+        """
+        sizes = [int(s) for s in sizes]
+        total = sum(sizes)
+        if self.limit <= 0 or total < MIN_POOLED_BYTES:
+            return self._cut(self.empty(total, np.uint8, tag=tag), sizes)
+        with self._lock:
+            self._absorb_returned()
+            free = list(self._sizes)
+        runs: list[list[int]] = []
+        rest = sizes
+        # Only when no single free block serves the whole request.
+        while rest and free and not self._serves_any(free, sum(rest)):
+            largest = free.pop()
+            run, used = [], 0
+            for size in rest:
+                if used + size > largest:
+                    break
+                run.append(size)
+                used += size
+            if not run or not self._serves(largest, used):
+                break
+            runs.append(run)
+            rest = rest[len(run) :]
+        if rest:
+            runs.append(rest)
+        buffers: list[np.ndarray] = []
+        for run in runs:
+            buffers.extend(self._cut(self.empty(sum(run), np.uint8, tag=tag), run))
+        return buffers
+
+    @staticmethod
+    def _cut(block: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+        out, start = [], 0
+        for size in sizes:
+            out.append(block[start : start + size])
+            start += size
+        return out
+
+    @staticmethod
+    def _serves(block_size: int, nbytes: int) -> bool:
+        """Whether a free block of ``block_size`` bytes serves a request of ``nbytes``."""
+        return nbytes <= block_size <= nbytes * SLACK * HEADROOM + _HUGE
+
+    def _serves_any(self, free: Sequence[int], nbytes: int) -> bool:
+        i = bisect.bisect_left(free, nbytes)
+        return i < len(free) and self._serves(free[i], nbytes)
+
     def _take(self, nbytes: int) -> mmap.mmap | None:
         i = bisect.bisect_left(self._sizes, nbytes)
-        if i == len(self._sizes) or self._sizes[i] > nbytes * SLACK * HEADROOM + _HUGE:
+        if i == len(self._sizes) or not self._serves(self._sizes[i], nbytes):
             return None
         del self._sizes[i]
         block, _ = self._blocks.pop(i)
@@ -437,14 +494,17 @@ class HostBufferPool:
             now = time.monotonic()
             active, since = self._activity.active, self._activity.since
             quiet = (not active and now - since >= older_than) or paused
-            # While shuffles run, a block nobody took for an eighth of the
-            # grace period is of a size no request has (split buffers once
-            # the transfer is over, say): it would only add to the peak.
+            # While shuffles transfer, free blocks wait for their unpacks,
+            # whose outputs take them up (HostBufferPool.empty_buffers).
+            # Once every one unpacks, a block nobody took for an eighth of
+            # the grace period is one more than the outputs need: it would
+            # only add to the peak.
+            transferring = active and self._activity.unpacking < active
             unused = older_than / 8 if active else older_than
             released = 0
             keep_sizes, keep_blocks = [], []
             for size, (block, returned) in zip(self._sizes, self._blocks, strict=True):
-                stale = now - max(returned, since) >= unused
+                stale = not transferring and now - max(returned, since) >= unused
                 if (quiet or stale) and _unmap(block):
                     released += size
                 else:
@@ -493,31 +553,20 @@ class HostBufferPool:
         """Count one more shuffle on this worker unpacking; True if every
         holder now unpacks.
 
-        Then its caller calls :meth:`release_free`: the blocks a transfer
-        freed (split buffers) rarely fit the unpack's requests (whole output
-        partitions), and what the transfer left in malloc's heaps is not
-        needed either.  A shuffle still transferring keeps them.
+        Free blocks then serve the outputs (:meth:`empty_buffers`); from now
+        on one unused for an eighth of ``idle_release`` is more than they
+        need and goes.  Its caller then trims malloc: what the transfer left
+        in malloc's heaps is not needed either.  A shuffle still
+        transferring keeps both.
         """
         with self._lock:
             self._activity.unpacking += 1
-            return self._activity.unpacking >= self._activity.active
-
-    def release_free(self) -> int:
-        """Unmap every free block and trim malloc; returns the bytes unmapped."""
-        with self._lock:
-            self._absorb_returned()
-            blocks, self._sizes, self._blocks = self._blocks, [], []
-            self.statistics.bytes_free = 0
-        # Unmapped outside the lock: other threads' requests need not wait.
-        released = 0
-        for block, _ in blocks:
-            size = len(block)
-            if _unmap(block):
-                released += size
-        with self._lock:
-            self.statistics.bytes_released += released
-        malloc_trim()
-        return released
+            every = self._activity.unpacking >= self._activity.active
+            if every:
+                # Unused since now, not since they were given back: the
+                # outputs have not asked yet.
+                self._activity.since = time.monotonic()
+            return every
 
     # -- shuffles running -----------------------------------------------------
 
@@ -605,14 +654,16 @@ def _make_pool() -> HostBufferPool:
     limit = config.parse_budget(
         config.get("memory.host-pool.limit"), total, "memory.host-pool.limit"
     )
-    # Free blocks are memory too: never keep more than the store may hold.
+    # Free blocks are memory too: never keep more than what the store may
+    # hold plus as much again, for the outputs built from it (the blocks a
+    # run had in use at its unpack, which the next run takes up again).
     host_limit = config.get("memory.host-limit")
     budget = (
         auto_host_limit(bool(config.get("storage.disk")))
         if host_limit == "auto"
         else config.parse_budget(host_limit, total, "memory.host-limit")
     )
-    limit = min(limit, budget)
+    limit = min(limit, 2 * budget)
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(
         limit=limit,

@@ -519,11 +519,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             return self._get_output_partition(partition_id, key, **kwargs)
 
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
-        # The transfer's free buffers and malloc heaps go back before the
-        # first output is built (once no other shuffle on the worker still
-        # transfers): unpack needs none of them, and this is when the store
-        # holds the most.  So do inputs the worker let go of during the
-        # transfer (distributed spilled them) that borrowed rows still hold.
+        # What the transfer left in malloc's heaps goes back before the first
+        # output is built (once no other shuffle on the worker still
+        # transfers; its free pool blocks stay for the outputs): this is when
+        # the store holds the most.  So do inputs the worker let go of during
+        # the transfer (distributed spilled them) that borrowed rows still hold.
         if self.store.start_unpack():
             sync(self._loop, self.store.release_let_go_inputs)
         nrows, tables = self.store.read(partition_id)

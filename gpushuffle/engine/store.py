@@ -50,7 +50,7 @@ from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
 from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
-from gpushuffle.engine.pool import host_pool
+from gpushuffle.engine.pool import host_pool, malloc_trim
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
 
@@ -441,7 +441,9 @@ class ShardStore:
     # -- reading (task thread, after the barrier) ---------------------------
 
     def start_unpack(self) -> bool:
-        """The run's first unpack: the pool may drop what the transfer freed.
+        """The run's first unpack: once every shuffle on the worker unpacks,
+        malloc gives back what the transfer left in its heaps, and the pool
+        starts dropping free blocks the outputs do not take up.
 
         True for the first call only.
         """
@@ -452,9 +454,9 @@ class ShardStore:
             # Counted under the store's lock, which close() takes before it
             # reads _unpacking: the pool's count always matches.
             self._unpacking = True
-            release = pool.count_unpack()
-        if release:
-            pool.release_free()
+            every = pool.count_unpack()
+        if every:
+            malloc_trim()
         return True
 
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:

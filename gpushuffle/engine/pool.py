@@ -17,10 +17,17 @@ transparent huge pages (fewer faults and TLB misses), except on a virtual
 machine that reports free memory of huge-page size to its hypervisor
 (``gpushuffle.memory.host-pool.huge-pages``, :func:`free_pages_reported`).
 
+A request for several arrays (an output partition's columns) that no
+free block holds whole is spread over the free blocks there are
+(:meth:`HostBufferPool.empty_buffers`): the split buffers a transfer gave
+back then hold the unpack's outputs, and those, given back, the next
+transfer's splits, so a warm shuffle faults in almost no fresh pages.
+
 Free blocks are bounded (``gpushuffle.memory.host-pool.limit``).  While a
-shuffle runs (:meth:`HostBufferPool.hold`), a block unused for an eighth of
-``gpushuffle.memory.host-pool.idle-release`` is unmapped: no request of its
-size is coming.  Once no shuffle has run on the worker for the whole
+shuffle transfers (:meth:`HostBufferPool.hold`) they wait for its unpack.
+Once every shuffle on the worker unpacks, a block unused for an eighth of
+``gpushuffle.memory.host-pool.idle-release`` is unmapped: the outputs do
+not need it.  Once no shuffle has run on the worker for the whole
 ``idle-release``, every free block goes and malloc is trimmed, so a worker
 returns to the memory it had before the shuffle, while shuffles that follow
 each other closely still reuse the blocks.
@@ -478,8 +485,9 @@ class HostBufferPool:
 
     def release_idle(self, older_than: float | None = None) -> int:
         """Unmap free blocks unused for ``older_than`` seconds (an eighth of
-        that while shuffles run); all of them once no shuffle has run on the
-        worker for that long.
+        that while every shuffle running unpacks, none while one still
+        transfers); all of them once no shuffle has run on the worker for
+        that long.
 
         ``older_than`` defaults to ``idle_release``; 0 releases every free
         block now.  Returns the bytes unmapped.
@@ -499,7 +507,7 @@ class HostBufferPool:
             # Once every one unpacks, a block nobody took for an eighth of
             # the grace period is one more than the outputs need: it would
             # only add to the peak.
-            transferring = active and self._activity.unpacking < active
+            transferring = active and self._activity.unpacking < active and older_than > 0
             unused = older_than / 8 if active else older_than
             released = 0
             keep_sizes, keep_blocks = [], []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import decimal
 import gc
 import itertools
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -196,17 +197,88 @@ def test_arrow_columns_travel_as_views_cut_to_their_rows(kind, writable):
     "kind", ["str", "string[pyarrow]", "string", "decimal", "timestamp", "bool", "list"]
 )
 def test_arrow_take_matches_pandas_take(kind):
-    import pyarrow as pa
-
     from gpushuffle.backends import arrow
 
     column = _arrow_column(kind, 5_000)
     sliced = column[100:4_000]  # a view: the take must honour its offset
     rows = np.random.default_rng(1).permutation(len(sliced))[:2_500]
-    got = arrow.take(sliced, pa.array(rows))
+    got = arrow.take(sliced, arrow.Positions(rows))
     assert type(got) is type(sliced) and got.dtype == sliced.dtype
     pd.testing.assert_extension_array_equal(got, sliced.take(rows))
-    assert arrow.take(sliced, pa.array(rows[:0], pa.int64())).dtype == sliced.dtype
+    assert arrow.take(sliced, arrow.Positions(rows[:0])).dtype == sliced.dtype
+
+
+def _chunked(values: pd.api.extensions.ExtensionArray, bounds: list[int]) -> Any:
+    """``values`` (one chunk) as chunks cut at ``bounds``, views with offsets."""
+    import pyarrow as pa
+
+    array = values._pa_array.combine_chunks()
+    cuts = [0, *bounds, len(array)]
+    chunks = [array.slice(a, b - a) for a, b in itertools.pairwise(cuts)]
+    return type(values)(pa.chunked_array(chunks, array.type))
+
+
+@pytest.mark.parametrize("kind", ["str", "decimal", "bool", "list"])
+@pytest.mark.parametrize("order", ["ascending", "output-groups", "shuffled"])
+def test_arrow_take_of_a_chunked_column_matches_pandas_take(kind, order):
+    """Rows ascending (a borrowed piece), ascending within groups (a split),
+    or in any order, over chunks of any length, empty ones among them."""
+    from gpushuffle.backends import arrow
+
+    column = _chunked(_arrow_column(kind, 6_000), [1_000, 1_000, 2_500, 5_999])
+    assert column._pa_array.num_chunks == 5
+    rng = np.random.default_rng(2)
+    rows = np.sort(rng.choice(len(column), 2_000, replace=False))
+    if order == "output-groups":
+        rows = rows[np.argsort(rng.integers(0, 4, len(rows)), kind="stable")]
+    elif order == "shuffled":
+        rows = rng.permutation(rows)
+    positions = arrow.Positions(rows)
+    got = arrow.take(column, positions)
+    assert type(got) is type(column) and got.dtype == column.dtype
+    assert got._pa_array.num_chunks == 1
+    pd.testing.assert_extension_array_equal(got, column.take(rows))
+    # Positions are shared by the columns of a piece: the same answer again.
+    pd.testing.assert_extension_array_equal(arrow.take(column, positions), column.take(rows))
+    assert len(arrow.take(column, arrow.Positions(rows[:0]))) == 0
+
+
+def _arrow_peak_bytes(f: Any) -> int:
+    """The most memory Arrow held at once for ``f()`` (its result freed)."""
+    import pyarrow as pa
+
+    default = pa.default_memory_pool()
+    counted = pa.proxy_memory_pool(default)
+    pa.set_memory_pool(counted)
+    try:
+        del_me = f()
+        del del_me  # freed while the counting pool is still the default
+    finally:
+        pa.set_memory_pool(default)
+    return counted.max_memory()
+
+
+def test_taking_a_few_ascending_rows_of_a_chunked_column_copies_only_those_rows():
+    """pyarrow's take of a ChunkedArray concatenates every chunk first: for
+    each output partition a worker takes from its inputs, the whole column.
+    Rows that visit the chunks in order are taken chunk by chunk instead."""
+    from gpushuffle.backends import arrow
+
+    words = pd.array([f"word-{i:08d}" for i in range(400_000)], dtype="str")
+    column = _chunked(words, list(range(40_000, 400_000, 40_000)))
+    rows = np.sort(np.random.default_rng(0).choice(len(column), 1_000, replace=False))
+    expected = column.take(rows)
+    whole = column._pa_array.nbytes
+    peak = _arrow_peak_bytes(lambda: arrow.take(column, arrow.Positions(rows)))
+    assert peak < whole / 50
+    pd.testing.assert_extension_array_equal(arrow.take(column, arrow.Positions(rows)), expected)
+    # Rows that go back and forth between the chunks (more runs than chunks)
+    # take pyarrow's way; the answer is the same.
+    mixed = np.random.default_rng(1).permutation(rows)
+    assert arrow.Positions(mixed).runs(tuple(len(c) for c in column._pa_array.chunks)) is None
+    pd.testing.assert_extension_array_equal(
+        arrow.take(column, arrow.Positions(mixed)), column.take(mixed)
+    )
 
 
 def test_datetime_columns_travel_out_of_band():
@@ -624,6 +696,34 @@ def test_large_string_pieces_taken_from_a_borrowed_input_stay_chunks_of_the_outp
     string_bytes = out["s"].array.nbytes
     numeric = out.drop(columns="s").memory_usage(index=False).sum()
     assert copied <= numeric + string_bytes + chunks[0].nbytes // 10
+
+
+def test_outputs_taken_from_a_borrowed_chunked_input_match_pandas():
+    """A shuffled frame's Arrow columns come in many chunks (an output keeps
+    those it received); its pieces, borrowed, are taken chunk by chunk."""
+    from gpushuffle.backends.pandas import BorrowedRows
+
+    backend = PandasBackend()
+    whole = frame_with_partitions(20_000, 4, seed=5)
+    whole["money"] = pd.array(
+        [decimal.Decimal(i) / 100 for i in range(len(whole))],
+        dtype=pd.ArrowDtype(pa.decimal128(12, 2)),
+    )
+    df = pd.concat([whole.iloc[i : i + 3_000] for i in range(0, len(whole), 3_000)])
+    assert df["s"].array._pa_array.num_chunks == 7
+    assert df["money"].array._pa_array.num_chunks == 7
+    rank = np.arange(4, dtype=np.int16)
+    (borrowed,), offsets = backend.split_groups(
+        df, "_partitions", rank, 4, True, [(0, 4)], borrow=0
+    )
+    assert isinstance(borrowed, BorrowedRows)
+    meta = df.iloc[:0].drop(columns="_partitions")
+    for p in range(4):
+        piece = backend.slice(borrowed, int(offsets[p]), int(offsets[p + 1]))
+        out = backend.assemble([piece], len(piece), meta, keep_index=True)
+        expected = df[df["_partitions"] == p].drop(columns="_partitions")
+        pd.testing.assert_frame_equal(out, expected)
+        assert out["s"].array._pa_array.num_chunks == 1
 
 
 def test_categorical_pieces_with_their_categories_in_another_order_keep_their_values():

@@ -158,11 +158,73 @@ def _rebuild_array(
     return pa.Array.from_buffers(type, length, buffers, null_count, shift)
 
 
-def take(values: ArrowExtensionArray, indices: pa.Array) -> Any:
-    """``values.take(indices)`` for valid non-negative ``indices`` (an int64
-    Arrow array shared by every column of a split)."""
-    taken = pc.take(values._pa_array, indices, boundscheck=False)  # type: ignore[attr-defined]
-    return _rebuild_extension(type(values), _state(values), taken.type, taken.chunks)
+class Positions:
+    """Row positions to take from Arrow columns, made once and shared by
+    every Arrow column of a split or a borrowed piece.
+
+    A column of several chunks is taken chunk by chunk where the positions
+    visit its chunks in order (the rows of one output partition, ascending):
+    ``pyarrow``'s take of a ``ChunkedArray`` concatenates all of its chunks
+    first, a copy of the whole column for every call, and a worker takes
+    from each of its inputs once per output partition.  Shuffled frames are
+    chunked that way: an output keeps the chunks it received.
+    """
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self._whole: pa.Array | None = None
+        #: Per chunk layout (the chunks' lengths): (chunk, positions in it)
+        #: runs, or None where the positions go back and forth between chunks.
+        self._runs: dict[tuple[int, ...], list[tuple[int, pa.Array]] | None] = {}
+
+    def whole(self) -> pa.Array:
+        if self._whole is None:
+            self._whole = pa.array(self.rows)
+        return self._whole
+
+    def runs(self, lengths: tuple[int, ...]) -> list[tuple[int, pa.Array]] | None:
+        """The positions as runs within one chunk each (positions relative to
+        the chunk), or None if there would be more runs than chunks."""
+        if lengths in self._runs:
+            return self._runs[lengths]
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        rows = self.rows
+        chunk = np.searchsorted(starts[1:], rows, side="right")
+        cuts = np.flatnonzero(chunk[1:] != chunk[:-1]) + 1
+        runs: list[tuple[int, pa.Array]] | None = None
+        if len(cuts) < len(lengths):
+            within = pa.array(rows - starts[chunk])  # slices of it cost no copy
+            runs = []
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)], strict=True):
+                if b > a:
+                    runs.append((int(chunk[a]), within.slice(a, b - a)))
+        self._runs[lengths] = runs
+        return runs
+
+
+def take(values: ArrowExtensionArray, positions: Positions, stage: str = "split") -> Any:
+    """``values.take(positions.rows)`` for valid non-negative positions, as
+    one chunk (see :class:`Positions`).
+
+    The caller counts the take's copy; joining the pieces of a chunked
+    column is counted here, under ``stage``."""
+    chunked = values._pa_array  # type: ignore[attr-defined]
+    runs = None
+    if chunked.num_chunks > 1:
+        runs = positions.runs(tuple(len(c) for c in chunked.iterchunks()))
+    if runs is None:
+        taken = pc.take(chunked, positions.whole(), boundscheck=False)
+        chunks = taken.chunks
+    else:
+        pieces = [pc.take(chunked.chunk(k), rows, boundscheck=False) for k, rows in runs]
+        # One chunk, as pyarrow's take gives: the split cuts it at output
+        # partitions, and an output keeps it whole.
+        chunks = pieces
+        if len(pieces) > 1:
+            chunks = [pa.concat_arrays(pieces)]
+            copies.count(stage, chunks[0].nbytes)
+    return _rebuild_extension(type(values), _state(values), chunked.type, chunks)
 
 
 def with_chunks(values: ArrowExtensionArray, chunks: list[pa.Array]) -> Any:

@@ -264,7 +264,7 @@ def _take_rows(
         dtypes.append(index_dtype)
     carved = iter(_carve(pool, len(rows), dtypes, "split"))
     columns: list[Any] = []
-    arrow_rows: list[pa.Array] = []  # shared by every Arrow column, no copy
+    arrow_rows: list[arrow.Positions] = []  # shared by every Arrow column
     cuts = None if bounds is None else _output_cuts(bounds)
     for v, parts in zip(values, sources, strict=True):
         if parts is None:
@@ -288,17 +288,22 @@ def _take_rows(
 
 
 def _take_column(
-    values: Any, rows: np.ndarray, arrow_rows: list[pa.Array], cuts: list[int] | None = None
+    values: Any,
+    rows: np.ndarray,
+    arrow_rows: list[arrow.Positions],
+    cuts: list[int] | None = None,
+    stage: str = "split",
 ) -> Any:
     """``values.take(rows)`` for valid non-negative ``rows``; ``arrow_rows``
-    caches ``rows`` as an Arrow array for the next Arrow column; an Arrow
-    result is cut into chunks at ``cuts`` (:func:`_output_cuts`)."""
+    keeps ``rows`` as :class:`~gpushuffle.backends.arrow.Positions` for the
+    next Arrow column; an Arrow result is cut into chunks at ``cuts``
+    (:func:`_output_cuts`).  The caller counts the copy, under ``stage``."""
     if isinstance(values, np.ndarray):
         return np.take(values, rows, mode="clip")
     if arrow.is_arrow(values):
         if not arrow_rows:
-            arrow_rows.append(pa.array(rows))
-        taken = arrow.take(values, arrow_rows[0])
+            arrow_rows.append(arrow.Positions(rows))
+        taken = arrow.take(values, arrow_rows[0], stage)
         chunked = taken._pa_array
         if not cuts or chunked.num_chunks != 1:
             return taken
@@ -590,7 +595,7 @@ class _ColumnBuilder:
             self.owned.append(owned)
         self.position += n
 
-    def add_taken(self, values: Any, rows: np.ndarray, arrow_rows: list[pa.Array]) -> None:
+    def add_taken(self, values: Any, rows: np.ndarray, arrow_rows: list[arrow.Positions]) -> None:
         """:meth:`add` ``values.take(rows)``, gathered straight into the output
         where it can be."""
         n = len(rows)
@@ -607,7 +612,7 @@ class _ColumnBuilder:
                 self.copied += n * part.itemsize
             self.position += n
             return
-        taken = _take_column(values, rows, arrow_rows)
+        taken = _take_column(values, rows, arrow_rows, stage="unpack")
         copies.count("unpack", int(taken.nbytes))
         self.add(taken, owned=True)
 
@@ -863,7 +868,7 @@ class PandasBackend(TableBackend):
             if isinstance(table, BorrowedRows):
                 flush()
                 source, rows = table.source, _gather_positions(table.rows)
-                arrow_rows: list[pa.Array] = []
+                arrow_rows: list[arrow.Positions] = []
                 for i, builder in enumerate(columns):
                     builder.add_taken(source.values[i], rows, arrow_rows)
                 if keep_index:

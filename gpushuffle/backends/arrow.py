@@ -158,6 +158,12 @@ def _rebuild_array(
     return pa.Array.from_buffers(type, length, buffers, null_count, shift)
 
 
+#: A take costs about as much as copying this many rows of strings: where
+#: the runs are more than the column's rows over this, one take of the
+#: whole column, concatenated, costs less than one take per run.
+_ROWS_PER_RUN = 1024
+
+
 class Positions:
     """Row positions to take from Arrow columns, made once and shared by
     every Arrow column of a split or a borrowed piece.
@@ -184,7 +190,8 @@ class Positions:
 
     def runs(self, lengths: tuple[int, ...]) -> list[tuple[int, pa.Array]] | None:
         """The positions as runs within one chunk each (positions relative to
-        the chunk), or None if there would be more runs than chunks."""
+        the chunk), or None if there would be more runs than chunks, or too
+        many for the column's length (:data:`_ROWS_PER_RUN`)."""
         if lengths in self._runs:
             return self._runs[lengths]
         starts = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -193,7 +200,7 @@ class Positions:
         chunk = np.searchsorted(starts[1:], rows, side="right")
         cuts = np.flatnonzero(chunk[1:] != chunk[:-1]) + 1
         runs: list[tuple[int, pa.Array]] | None = None
-        if len(cuts) < len(lengths):
+        if len(cuts) < len(lengths) and (len(cuts) + 1) * _ROWS_PER_RUN <= starts[-1]:
             within = pa.array(rows - starts[chunk])  # slices of it cost no copy
             runs = []
             for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)], strict=True):

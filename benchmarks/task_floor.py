@@ -45,13 +45,13 @@ def main(partitions: int, rows: int, workers: int, repeat: int) -> None:
     from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import benchmark_cluster, generated_frame, machine_description
+    from gpushuffle.bench import benchmark_cluster, machine_description, persisted_evenly
 
     with (
         benchmark_cluster(workers) as cluster,
-        Client(cluster),
+        Client(cluster) as client,
     ):
-        df = generated_frame(rows, partitions).persist()
+        df = persisted_evenly(client, rows, partitions)
         wait(df)
         cases = {
             "len": lambda: df.map_partitions(len),

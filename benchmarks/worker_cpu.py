@@ -95,13 +95,13 @@ def main(rows: int, partitions: int, workers: int, dtypes: str, method: str, rep
     from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
-    from gpushuffle.bench import benchmark_cluster, generated_frame, machine_description
+    from gpushuffle.bench import benchmark_cluster, machine_description, persisted_evenly
 
     with (
         benchmark_cluster(workers) as cluster,
         Client(cluster) as client,
     ):
-        df = generated_frame(rows, partitions, dtypes=dtypes).persist()
+        df = persisted_evenly(client, rows, partitions, dtypes=dtypes)
         wait(df)
 
         def shuffle() -> float:

@@ -890,3 +890,27 @@ def test_tight_memory_benchmark_records_each_run(tmp_path):
         ("tasks", "ok", 16000),
     ]
     assert all(r["workers_replaced"] == 0 for r in records)
+
+
+def test_bench_input_is_spread_evenly_over_the_workers():
+    """Partition i on the (i mod n)-th worker, whatever the scheduler would
+    choose, and the same rows as the frame generated lazily."""
+    from distributed import Client, LocalCluster, wait
+
+    from gpushuffle.bench import generated_frame, persisted_evenly
+
+    with (
+        LocalCluster(
+            n_workers=3, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        df = persisted_evenly(client, 1_000, 7, columns=4, dtypes="mixed")
+        wait(df)
+        workers = sorted(client.scheduler_info()["workers"])
+        placed = {key[1]: tuple(where) for key, where in client.who_has(df).items()}
+        assert placed == {i: (workers[i % 3],) for i in range(7)}
+        got = df.compute()
+        assert len(got) == 1_000
+        assert list(got.dtypes) == list(df._meta.dtypes)
+        pd.testing.assert_frame_equal(got, generated_frame(1_000, 7, 4, "mixed").compute())

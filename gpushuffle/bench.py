@@ -175,20 +175,39 @@ def persisted_evenly(
     import dask.dataframe as dd
 
     workers = sorted(client.scheduler_info()["workers"])
-    frame = generated_frame(rows, partitions, columns, dtypes)
-    # Each partition as dask builds it (its string conversion included),
-    # computed on its worker.
-    futures = [
-        client.compute(
-            frame.partitions[i],
-            workers=[workers[i % len(workers)]],
+    meta = generated_frame(rows, partitions, columns, dtypes)._meta
+    per_part = -(-rows // partitions)
+    futures: list[Any] = [None] * partitions
+    for w, worker in enumerate(workers):
+        mine = list(range(w, partitions, len(workers)))
+        placed = client.map(
+            _partition_as,
+            mine,
+            [max(0, min(per_part, rows - i * per_part)) for i in mine],
+            columns=columns,
+            nkeys=rows,
+            dtypes=dtypes,
+            like=dict(meta.dtypes),
+            workers=[worker],
             # a preference: a worker lost meanwhile leaves none waiting
             allow_other_workers=True,
+            pure=False,
         )
-        for i in range(partitions)
-    ]
+        for i, future in zip(mine, placed, strict=True):
+            futures[i] = future
     # The persisted keys alias the futures' results where they are: no copy.
-    return dd.from_delayed(futures, meta=frame._meta, verify_meta=False).persist()
+    return dd.from_delayed(futures, meta=meta, verify_meta=False).persist()
+
+
+def _partition_as(
+    i: int, rows: int, columns: int, nkeys: int, dtypes: str, like: dict[str, Any]
+) -> pd.DataFrame:
+    """:func:`make_partition` with the dtypes dask gives the lazy frame
+    (pandas' "str" columns become dask's Arrow strings, as in
+    :func:`generated_frame`)."""
+    part = make_partition(i, rows, columns, nkeys, dtypes)
+    changed = {c: d for c, d in like.items() if part.dtypes[c] != d}
+    return part.astype(changed) if changed else part
 
 
 _VOCABULARY: Any = None

@@ -206,6 +206,25 @@ def test_two_shuffles_at_once_and_twice(client):
         pd.testing.assert_frame_equal(x, y)
 
 
+def _in_chunks(part: pd.DataFrame, rows: int = 2_000) -> pd.DataFrame:
+    return pd.concat([part.iloc[i : i + rows] for i in range(0, len(part), rows)])
+
+
+def test_inputs_whose_arrow_columns_come_in_chunks(client):
+    """Arrow columns in several chunks (pd.concat, a shuffle's outputs) in
+    persisted inputs: the rows a worker keeps are taken chunk by chunk."""
+    pdf = make_frame(40_000, seed=11)
+    df = dd.from_pandas(pdf, npartitions=4, sort=False).map_partitions(_in_chunks).persist()
+    chunks = client.compute(df.map_partitions(lambda p: pd.Series([_chunks(p["str"])]))).result()
+    assert (chunks == 5).all()
+    ours = df.shuffle("key", shuffle_method="gpushuffle")
+    check(ours, df.shuffle("key", shuffle_method="tasks"), pdf)
+
+
+def _chunks(column: pd.Series) -> int:
+    return column.array._pa_array.num_chunks
+
+
 def test_head_computes_some_outputs(client):
     pdf = make_frame(1000, seed=7)
     df = dd.from_pandas(pdf, npartitions=4, sort=False)

@@ -147,8 +147,7 @@ def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str =
     last ones smaller where ``rows`` does not divide evenly)."""
     import dask.dataframe as dd
 
-    per_part = -(-rows // partitions)
-    sizes = [max(0, min(per_part, rows - i * per_part)) for i in range(partitions)]
+    sizes = _partition_rows(rows, partitions)
     return dd.from_map(
         make_partition,
         range(partitions),
@@ -159,6 +158,13 @@ def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str =
         meta=make_partition(0, 0, columns, rows, dtypes),
         enforce_metadata=False,
     )
+
+
+def _partition_rows(rows: int, partitions: int) -> list[int]:
+    """Rows of each input partition: equal, the last ones smaller where
+    ``rows`` does not divide evenly."""
+    per_part = -(-rows // partitions)
+    return [max(0, min(per_part, rows - i * per_part)) for i in range(partitions)]
 
 
 def persisted_evenly(
@@ -176,14 +182,14 @@ def persisted_evenly(
 
     workers = sorted(client.scheduler_info()["workers"])
     meta = generated_frame(rows, partitions, columns, dtypes)._meta
-    per_part = -(-rows // partitions)
+    sizes = _partition_rows(rows, partitions)
     futures: list[Any] = [None] * partitions
     for w, worker in enumerate(workers):
         mine = list(range(w, partitions, len(workers)))
         placed = client.map(
             _partition_as,
             mine,
-            [max(0, min(per_part, rows - i * per_part)) for i in mine],
+            [sizes[i] for i in mine],
             columns=columns,
             nkeys=rows,
             dtypes=dtypes,

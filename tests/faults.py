@@ -83,6 +83,32 @@ def gpushuffled(nin: int, rows: int, nout: int) -> dd.DataFrame:
     return frame(nin, rows).shuffle("key", npartitions=nout, shuffle_method="gpushuffle")
 
 
+#: Input partitions computed so far by a gated worker, per gate.
+_GATED: dict[str, int] = {}
+
+
+def _gated_part(i: int, rows: int, gate: str, worker: str) -> pd.DataFrame:
+    from distributed import get_worker
+
+    if get_worker().address == worker:
+        _GATED[gate] = _GATED.get(gate, 0) + 1
+        deadline = time.monotonic() + 60
+        while _GATED[gate] > 2 and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return make_part(i, rows)
+
+
+def gpushuffled_gated(nin: int, rows: int, nout: int, gate: str, worker: str) -> dd.DataFrame:
+    """:func:`gpushuffled`, but ``worker`` (in this process) computes two
+    input partitions and then waits, before its third, until the file
+    ``gate`` exists: the other workers do the rest of the transfer, and one
+    transfer is left until the gate opens, however fast they went."""
+    gated = dd.from_map(
+        _gated_part, range(nin), rows=rows, gate=gate, worker=worker, meta=make_part(0, 0)
+    )
+    return gated.shuffle("key", npartitions=nout, shuffle_method="gpushuffle")
+
+
 def assert_correct(parts: list[pd.DataFrame], expected: Truth) -> None:
     """Every row present once, each in the partition the ``tasks`` shuffle puts it in."""
     assert len(parts) == len(expected.parts)

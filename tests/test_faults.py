@@ -39,6 +39,7 @@ from faults import (
     count_tasks,
     frame,
     gpushuffled,
+    gpushuffled_gated,
     local_directory_of,
     run_ids,
     spill_files,
@@ -550,13 +551,16 @@ async def wait_for_restart(s: Any, nanny: Nanny, old: str) -> None:
 
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=1, timeout=90)
-async def test_crashed_worker_during_transfer(c, s, a, budget):
+async def test_crashed_worker_during_transfer(c, s, a, budget, tmp_path):
     expected = truth(NIN, ROWS, NOUT)
+    # Worker a waits at its third input until the crash: a transfer is
+    # still to come when the crash comes, whatever the machine's speed.
+    gate = str(tmp_path / "crashed")
     with dask.config.set(settings(budget)):
         async with Nanny(s.address, nthreads=1) as n:
             crashed = n.worker_address
             directory = await local_directory_of(c, crashed)
-            futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+            futures = c.compute(gpushuffled_gated(NIN, ROWS, NOUT, gate, a.address).to_delayed())
             shuffle_id = await wait_for_shuffle(s)
             await wait_for_tasks(s, TRANSFER, "memory", 1, crashed)
             if budget == "spill":
@@ -565,6 +569,7 @@ async def test_crashed_worker_during_transfer(c, s, a, budget):
                     assert asyncio.get_running_loop().time() < deadline, "nothing spilled"
             assert count_tasks(s, TRANSFER, "memory") < NIN
             await n.process.process.kill()
+            open(gate, "w").close()
 
             assert_correct(await c.gather(futures), expected)
             assert len(run_ids(s, shuffle_id)) >= 2

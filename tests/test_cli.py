@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 from distributed.diagnostics.plugin import SchedulerPlugin
+from pandas_versions import PANDAS_3
 from truth import checksum, partitions_of
 
 from gpushuffle import job
@@ -78,7 +79,10 @@ def rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def read_files(out: Path) -> list[pd.DataFrame]:
-    return [pd.read_parquet(f) for f in sorted(out.glob("part.*.parquet"))]
+    # The files record a string column as "string"; pandas 2 reads that back
+    # as string[python] unless told which storage (pandas 3: Arrow's).
+    with pd.option_context("mode.string_storage", "pyarrow"):
+        return [pd.read_parquet(f) for f in sorted(out.glob("part.*.parquet"))]
 
 
 # -- round trips --------------------------------------------------------------
@@ -386,6 +390,16 @@ tasks.unpack = unpack
 """
 
 
+def _signal_masks(pid: int) -> dict[str, str]:
+    """A process's blocked, ignored and caught signals (hex masks, /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        return dict(
+            line.strip().split(":\t")
+            for line in f
+            if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+        )
+
+
 @pytest.mark.parametrize(
     "how, status, word",
     [
@@ -405,6 +419,7 @@ def test_interrupted_while_writing_leaves_no_output(how, status, word, events, t
         **os.environ,
         "GPUSHUFFLE_TEST_MARKER": str(marker),
         "DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps([str(preload)]),
+        "PYTHONFAULTHANDLER": "1",
     }
     proc = subprocess.Popen(
         [GPUSHUFFLE, "shuffle", events, out, "--on", "user_id", "--workers", "2"],
@@ -421,8 +436,19 @@ def test_interrupted_while_writing_leaves_no_output(how, status, word, events, t
             assert time.monotonic() < deadline, "output partition 1 never started"
             time.sleep(0.05)
         time.sleep(0.5)  # other partitions' files are written meanwhile
+        signals = _signal_masks(proc.pid)
         how(proc.pid)
-        stdout, stderr = proc.communicate(timeout=60)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Where it hangs: faulthandler prints every thread's stack on SIGABRT.
+            proc.send_signal(signal.SIGABRT)
+            stdout, stderr = proc.communicate(timeout=30)
+            pytest.fail(
+                f"still running 60 s after the signal; its signal masks then: {signals}; "
+                f"this process's SIGINT handler: {signal.getsignal(signal.SIGINT)}\n"
+                f"{stdout}\n{stderr}"
+            )
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -728,15 +754,21 @@ def test_bench_plot_writes_a_png(tmp_path):
         expected = run["input_bytes"] - 4 * range_index + 8 * 20_000
         # The bench persists its input: rows staying on their worker are not
         # copied by the split (only those sent are), and are gathered
-        # straight from the input into the output.
+        # straight from the input into the output.  pandas 2 has no
+        # copy-on-write to borrow them with: the split copies every row.
         assert copied["unpack"] == expected
         assert copied["send"] == copied["receive"] > 0
-        assert 0 < copied["split"] < 0.75 * expected
-        assert copied["split"] <= copied["send"] <= 1.05 * copied["split"]
+        if PANDAS_3:
+            assert 0 < copied["split"] < 0.75 * expected
+            assert copied["split"] <= copied["send"] <= 1.05 * copied["split"]
+        else:
+            assert copied["split"] == expected
+            assert 0 < copied["send"] < 0.75 * expected
         assert run["copies_per_byte"] == pytest.approx(sum(copied.values()) / run["input_bytes"])
     assert all(r["copied_bytes"] == {} and r["copies_per_byte"] is None
                for r in records if r["method"] == "tasks")  # fmt: skip
-    assert "gpushuffle bytes copied per byte shuffled, by stage: split 0.6" in r.stdout
+    split = "0.6" if PANDAS_3 else "1.2"
+    assert f"gpushuffle bytes copied per byte shuffled, by stage: split {split}" in r.stdout
 
 
 def test_plot_from_results(tmp_path):

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from conftest import assert_nothing_left_behind
 from distributed import Client, LocalCluster, wait
+from pandas_versions import borrows
 from test_shuffle import check
 from truth import checksum
 
@@ -664,6 +665,7 @@ def _set_borrow(value, dask_worker=None) -> None:
     dask.config.set({"gpushuffle.memory.borrow-inputs": value})
 
 
+@borrows
 def test_rows_kept_on_their_worker_stay_in_a_persisted_input():
     """With a persisted input, the rows a worker keeps are not copied (only
     those sent are); an input computed on the way is copied whole; every
@@ -693,6 +695,7 @@ def test_rows_kept_on_their_worker_stay_in_a_persisted_input():
         assert_nothing_left_behind(client)
 
 
+@borrows
 @pytest.mark.parametrize("operation", ["set_index", "sort_values"])
 def test_set_index_and_sort_values_of_a_persisted_input_borrow_its_rows(operation):
     """The partition ids set_index and sort_values assign to a persisted
@@ -728,6 +731,7 @@ def test_set_index_and_sort_values_of_a_persisted_input_borrow_its_rows(operatio
         assert_nothing_left_behind(client)
 
 
+@borrows
 def test_join_of_persisted_sides_borrows_and_matches_pandas():
     rng = np.random.default_rng(8)
     left = pd.DataFrame(

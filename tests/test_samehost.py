@@ -24,6 +24,7 @@ from faults import (
     wait_for,
     wait_for_shuffle,
 )
+from pandas_versions import arrow_str
 from test_faults import wait_for_restart
 from test_memory import cluster_with
 from test_shuffle import check, make_frame
@@ -80,6 +81,7 @@ def test_reads_go_to_the_buffer_the_receiver_gives():
     assert np.shares_memory(np.frombuffer(got[0], np.uint8), given[0])
 
 
+@arrow_str
 def test_string_chunks_read_from_a_peer_are_kept_as_they_arrived():
     """The pandas backend marks the buffers of Arrow chunks: the receiver
     reads them into memory of their own, so the unpack keeps such a chunk

@@ -16,6 +16,7 @@ from numpy_device_backend import (
     NumpyDeviceBackend,
     NumpyDeviceColumns,
 )
+from pandas_versions import borrows
 
 from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import register_backend
@@ -414,6 +415,7 @@ def test_borrowed_rows_move_when_their_partition_column_alone_exceeds_the_budget
     _assert_reads_back(store, backend, memory, expected)
 
 
+@borrows
 def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(tmp_path):
     """The unpack phase has no puts: what borrowed rows keep alive of an
     input the worker let go of since (distributed spilled it) is charged
@@ -433,6 +435,7 @@ def test_an_input_let_go_of_after_the_last_put_is_charged_and_spilled_at_unpack(
     _assert_reads_back(store, backend, memory, expected)
 
 
+@borrows
 def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill(tmp_path):
     """Rows left in an input the caller holds are charged nothing; once the
     caller lets go, the next put charges what they keep alive and spills
@@ -464,6 +467,7 @@ def test_borrowed_rows_cost_nothing_while_the_input_is_held_then_count_and_spill
     _assert_reads_back(store, backend, memory, truth)
 
 
+@borrows
 def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
     """Each put checks what borrowed groups keep alive of their inputs, but
     not every group on every put: with many input partitions that cost grew

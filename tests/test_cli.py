@@ -392,12 +392,15 @@ tasks.unpack = unpack
 
 def _signal_masks(pid: int) -> dict[str, str]:
     """A process's blocked, ignored and caught signals (hex masks, /proc)."""
-    with open(f"/proc/{pid}/status") as f:
-        return dict(
-            line.strip().split(":\t")
-            for line in f
-            if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
-        )
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return dict(
+                line.strip().split(":\t")
+                for line in f
+                if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+            )
+    except OSError as e:  # not Linux, or the process is gone
+        return {"unknown": str(e)}
 
 
 @pytest.mark.parametrize(

@@ -18,15 +18,17 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from gpushuffle.backends.pandas import BORROWS_FROM_INPUTS
+
 PANDAS_3 = int(pd.__version__.split(".")[0]) >= 3
 
 #: The test needs rows borrowed from persisted inputs.
 borrows = pytest.mark.skipif(
-    not PANDAS_3,
+    not BORROWS_FROM_INPUTS,
     reason="kept rows are borrowed from inputs with pandas 3's copy-on-write; pandas 2 copies them",
 )
 
+ARROW_STR_REASON = "pandas' default 'str' dtype is Arrow-backed from pandas 3 on"
+
 #: The test needs pandas' default "str" dtype to be Arrow-backed.
-arrow_str = pytest.mark.skipif(
-    not PANDAS_3, reason="pandas' default 'str' dtype is Arrow-backed from pandas 3 on"
-)
+arrow_str = pytest.mark.skipif(not PANDAS_3, reason=ARROW_STR_REASON)

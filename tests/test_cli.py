@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 from distributed.diagnostics.plugin import SchedulerPlugin
-from pandas_versions import PANDAS_3
+from pandas_versions import BORROWS_FROM_INPUTS
 from truth import checksum, partitions_of
 
 from gpushuffle import job
@@ -761,7 +761,7 @@ def test_bench_plot_writes_a_png(tmp_path):
         # copy-on-write to borrow them with: the split copies every row.
         assert copied["unpack"] == expected
         assert copied["send"] == copied["receive"] > 0
-        if PANDAS_3:
+        if BORROWS_FROM_INPUTS:
             assert 0 < copied["split"] < 0.75 * expected
             assert copied["split"] <= copied["send"] <= 1.05 * copied["split"]
         else:
@@ -770,7 +770,7 @@ def test_bench_plot_writes_a_png(tmp_path):
         assert run["copies_per_byte"] == pytest.approx(sum(copied.values()) / run["input_bytes"])
     assert all(r["copied_bytes"] == {} and r["copies_per_byte"] is None
                for r in records if r["method"] == "tasks")  # fmt: skip
-    split = "0.6" if PANDAS_3 else "1.2"
+    split = "0.6" if BORROWS_FROM_INPUTS else "1.2"
     assert f"gpushuffle bytes copied per byte shuffled, by stage: split {split}" in r.stdout
 
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pandas_versions import PANDAS_3, borrows
+from pandas_versions import ARROW_STR_REASON, PANDAS_3, borrows
 from truth import checksum
 
 from gpushuffle.backends import backend_for, backend_named
@@ -126,7 +126,7 @@ def _arrow_column(kind: str, n: int) -> pd.api.extensions.ExtensionArray:
     missing = rng.random(n) < 0.2
     if kind == "str":
         if not PANDAS_3:
-            pytest.skip("pandas' default 'str' dtype is Arrow-backed from pandas 3 on")
+            pytest.skip(ARROW_STR_REASON)
         words = [f"w{i}" * (i % 4) for i in range(n)]
         return pd.array(
             [None if m else w for m, w in zip(missing, words, strict=True)], dtype="str"

@@ -170,10 +170,15 @@ def _worth_borrowing(counts: np.ndarray, first: int, last: int) -> bool:
     return pieces > 0 and int(counts[first:last].sum()) >= _BORROW_MIN_PIECE_ROWS * pieces
 
 
+#: Whether this pandas always tracks which frames share a block (its
+#: copy-on-write, the default from pandas 3 on): borrowing rows needs it.
+BORROWS_FROM_INPUTS = int(pd.__version__.split(".")[0]) >= 3
+
+
 def _borrowable(frame: pd.DataFrame) -> bool:
     """Whether pandas tracks which frames share ``frame``'s blocks (copy-on-write)."""
-    return all(getattr(b, "refs", None) is not None for b in frame._mgr.blocks) and (
-        int(pd.__version__.split(".")[0]) >= 3
+    return BORROWS_FROM_INPUTS and all(
+        getattr(b, "refs", None) is not None for b in frame._mgr.blocks
     )
 
 

@@ -12,15 +12,27 @@ buffers alive and unchanged until the receiver has answered, which it does
 anyway (a send returns once the receiver has stored the shards); a send that
 ends any other way leaves them alive until the run closes.
 
-The receiver checks that the message comes from a process it can read: the
-same kernel (``/proc/sys/kernel/random/boot_id``) and, under the sender's
-process id, a process started when the sender says it was (before and after
-the read, so that a process id reused by another process is never read).
-Where the kernel refuses (another user, a container's seccomp profile,
-another PID namespace), the receiver answers so and the sender sends that
-message, and every later one to that worker, as bytes.  Where Yama's
-``ptrace_scope`` is above 0 (Ubuntu's default is 1: a process may read only
-its descendants, and workers are siblings) nothing is lent at all.
+The receiver reads only a process it has proved to be the sender, in the
+same system call that reads the data.  Each process keeps a random token
+(:mod:`secrets`, 32 bytes, made anew in a forked child) in its own memory;
+a message carries the token's address and value, and every
+``process_vm_readv`` call that reads lent frames reads the token too.  One
+call reads one process, so a token that comes back equal proves that every
+byte of that call came from the sender; anything else (another process
+under a recycled process id, a worker in another container whose process
+id and memory layout are the same, as with address-space randomization
+off) is discarded, never used.  Cheap first tests give the common refusals
+a clear reason: the same kernel (``/proc/sys/kernel/random/boot_id``) and
+the same PID namespace (``/proc/self/ns/pid``: workers in separate
+containers see each other's process ids as someone else's).
+
+Every refusal (another kernel or namespace, a token that does not match,
+``EPERM`` from another user or a seccomp profile such as Docker's default,
+``ESRCH``, ``EFAULT``, a short read) raises :class:`LendRefused`: the
+receiver answers so, and the sender sends that message, and every later one
+to that worker, as bytes.  Where Yama's ``ptrace_scope`` is above 0
+(Ubuntu's default is 1: a process may read only its descendants, and
+workers are siblings) nothing is lent at all.
 ``gpushuffle.comm.same-host-reads: false`` turns lending off.
 """
 
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -81,13 +94,29 @@ _identity: dict[str, Any] | None = None
 #: Peers (addresses) that could not read this process's memory, and why.
 _refused: dict[str, str] = {}
 
+#: Bytes of the token that proves a process's identity to a reader.
+TOKEN_BYTES = 32
 
-def _start_time(pid: int) -> int:
-    """When process ``pid`` started (clock ticks after boot), from /proc."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    # Field 22; the command name (field 2) may hold spaces and parentheses.
-    return int(stat.rsplit(b")", 1)[1].split()[19])
+#: This process's token, at one address for the life of the process.
+_token = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), dtype=np.uint8).copy()
+
+
+def _new_token() -> None:
+    """A forked child is another process: it must not prove to be its parent."""
+    global _identity
+    _token[:] = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), dtype=np.uint8)
+    _identity = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_token)
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def identity() -> dict[str, Any] | None:
@@ -101,11 +130,16 @@ def identity() -> dict[str, Any] | None:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        me = {"boot": boot, "pid": pid, "start": _start_time(pid)}
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
-    _identity = me
-    return me
+    _identity = {
+        "boot": boot,
+        "pid_namespace": _pid_namespace(),
+        "pid": pid,
+        "token_address": int(_token.ctypes.data),
+        "token": _token.tobytes().hex(),
+    }
+    return _identity
 
 
 def _ptrace_restricted(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> bool:
@@ -180,15 +214,25 @@ def read(
     lent frames are read into one buffer from ``allocate`` (bytes -> uint8
     array; ``numpy.empty`` by default), each at a multiple of 64 bytes, but
     those marked ``own``, which get a ``numpy.empty`` each.  Raises
-    :class:`LendRefused` when they cannot be read from here.
+    :class:`LendRefused` when they cannot be read from here, or when what
+    was read did not come from the sender (its token did not come back).
     """
     me = identity()
     if me is None:
         raise LendRefused("this process cannot read other processes' memory")
     if lender["boot"] != me["boot"]:
         raise LendRefused("the sender runs under another kernel (another machine)")
+    theirs, ours = lender.get("pid_namespace"), me["pid_namespace"]
+    if theirs != ours or theirs is None:
+        raise LendRefused(
+            f"the sender runs in another PID namespace ({theirs}, here {ours}: another "
+            "container?), where its process id names another process"
+        )
     pid = int(lender["pid"])
-    _check_alive(pid, lender["start"])
+    expected_token = bytes.fromhex(lender["token"])
+    if len(expected_token) != TOKEN_BYTES:
+        raise LendRefused("the sender's identity token is malformed")
+    token = np.empty(TOKEN_BYTES, dtype=np.uint8)
     lent = lender["frames"]
     starts, total = [], 0
     for _, _, nbytes, own in lent:
@@ -201,23 +245,32 @@ def read(
         _empty(nbytes) if own else block[start : start + nbytes]
         for start, (_, _, nbytes, own) in zip(starts, lent, strict=True)
     ]
-    for first in range(0, len(lent), _IOV_MAX):
-        batch = range(first, min(first + _IOV_MAX, len(lent)))
-        local = (_Iovec * len(batch))()
-        remote = (_Iovec * len(batch))()
-        expected = 0
-        for k, i in enumerate(batch):
+    # Each call reads the token first, then up to IOV_MAX - 1 frames: the
+    # token proves which process that very call read.
+    per_call = _IOV_MAX - 1
+    for first in range(0, max(len(lent), 1), per_call):
+        batch = range(first, min(first + per_call, len(lent)))
+        local = (_Iovec * (len(batch) + 1))()
+        remote = (_Iovec * (len(batch) + 1))()
+        token[:] = 0
+        local[0] = _Iovec(token.ctypes.data, TOKEN_BYTES)
+        remote[0] = _Iovec(int(lender["token_address"]), TOKEN_BYTES)
+        expected = TOKEN_BYTES
+        for k, i in enumerate(batch, start=1):
             _, address, nbytes, _ = lent[i]
             local[k] = _Iovec(buffers[i].ctypes.data, nbytes)
             remote[k] = _Iovec(address, nbytes)
             expected += nbytes
-        got = _readv(pid, local, len(batch), remote, len(batch), 0)
+        got = _readv(pid, local, len(batch) + 1, remote, len(batch) + 1, 0)
         if got != expected:
             error = ctypes.get_errno()
             reason = os.strerror(error) if got < 0 else f"read {got} of {expected} bytes"
             raise LendRefused(f"process_vm_readv from process {pid}: {reason}")
-    # A process id reused during the read would show another start time.
-    _check_alive(pid, lender["start"])
+        if token.tobytes() != expected_token:
+            raise LendRefused(
+                f"process {pid} is not the sender: its identity token does not match "
+                "(a process id reused, or another container's process)"
+            )
     frames: list[Any] = list(carried)
     for (position, *_), buffer in zip(lent, buffers, strict=True):
         frames.insert(position, buffer)
@@ -226,12 +279,3 @@ def read(
 
 def _empty(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
-
-
-def _check_alive(pid: int, start: int) -> None:
-    try:
-        now = _start_time(pid)
-    except (OSError, ValueError, IndexError):
-        raise LendRefused(f"no process {pid} visible here (another PID namespace?)") from None
-    if now != start:
-        raise LendRefused(f"process {pid} is not the sender (another PID namespace?)")

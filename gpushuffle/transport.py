@@ -78,8 +78,11 @@ class WireStatistics(Counters):
     #: Bytes lent to (sent) and read from (received) workers on this machine.
     bytes_lent: int = 0
     bytes_read_from_peers: int = 0
-    #: Messages a receiver could not read, sent again as bytes.
+    #: Messages a receiver could not read, sent again as bytes (counted
+    #: by the sender), and lent messages this process refused to use (by
+    #: the receiver: not readable, or not proved to come from the sender).
     lends_refused: int = 0
+    reads_refused: int = 0
     shards_sent: int = 0
     shards_serialized: int = 0
     shards_deserialized: int = 0

@@ -6,6 +6,13 @@ of a real cluster, and from this process's own memory in the unit tests.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -117,9 +124,14 @@ def test_string_chunks_read_from_a_peer_are_kept_as_they_arrived():
     "change, message",
     [
         ({"boot": "another-kernel"}, "another kernel"),
-        ({"start": -1}, "not the sender"),
-        ({"pid": 2**31 - 1}, "no process"),
-        ({"frames": [[0, 4096, 100_000, 0]]}, "process_vm_readv"),  # unmapped: EFAULT
+        ({"pid_namespace": "pid:[1]"}, "another PID namespace"),
+        ({"pid_namespace": None}, "another PID namespace"),
+        ({"token": "00" * samehost.TOKEN_BYTES}, "identity token does not match"),
+        ({"token": "00"}, "malformed"),
+        ({"pid": 2**31 - 1}, "No such process"),  # ESRCH
+        ({"token_address": 4096}, "Bad address"),  # unmapped: EFAULT
+        # The token read, then an unmapped frame: a short read.
+        ({"frames": [[0, 4096, 100_000, 0]]}, "read 32 of 100032 bytes"),
     ],
 )
 def test_what_cannot_be_read_is_refused(change, message):
@@ -128,12 +140,122 @@ def test_what_cannot_be_read_is_refused(change, message):
         samehost.read({**lender, **change}, carried)
 
 
-def test_nothing_is_lent_where_yama_restricts_ptrace(tmp_path):
-    scope = tmp_path / "ptrace_scope"
-    for value, restricted in (("0\n", False), ("1\n", True), ("3\n", True)):
-        scope.write_text(value)
-        assert samehost._ptrace_restricted(str(scope)) is restricted
-    assert samehost._ptrace_restricted(str(tmp_path / "absent")) is False
+def test_the_token_is_read_in_every_call_of_a_message_with_many_frames():
+    """More frames than one process_vm_readv call takes: each call proves the
+    sender again, and a wrong token fails the message whatever call reads it."""
+    frames = [np.full(samehost.LEND_MIN_BYTES // 8, i, dtype=np.int64) for i in range(1500)]
+    lender, carried, _ = _lent(frames)
+    got = samehost.read(lender, carried)
+    assert all(
+        np.array_equal(np.frombuffer(g, np.int64), f) for g, f in zip(got, frames, strict=True)
+    )
+    with pytest.raises(samehost.LendRefused, match="token"):
+        samehost.read({**lender, "token": "11" * samehost.TOKEN_BYTES}, carried)
+
+
+def test_a_forked_child_has_a_token_of_its_own():
+    parent = dict(samehost.identity())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        child = samehost.identity()
+        same = child["token"] == parent["token"] or child["pid"] == parent["pid"]
+        os.write(write, b"same" if same else b"new")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 16) == b"new"
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert samehost.identity()["token"] == parent["token"]
+
+
+# A process that lends one frame of FILL and waits until its stdin closes;
+# with a third argument "0" it is not dumpable (prctl PR_SET_DUMPABLE): only
+# a reader with CAP_SYS_PTRACE may read it.
+_LENDER = """
+import ctypes, json, sys
+import numpy as np
+from gpushuffle import samehost
+if sys.argv[2:] == ["0"]:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+frame = np.full(200_000, int(sys.argv[1]), dtype=np.int64)
+lent, carried, kept = samehost.lend([frame])
+print(json.dumps({**samehost.identity(), "frames": lent}), flush=True)
+sys.stdin.read()
+"""
+
+
+_NO_PTRACE = ["setpriv", "--bounding-set=-sys_ptrace", "--inh-caps=-sys_ptrace"]
+needs_setpriv = pytest.mark.skipif(
+    shutil.which("setpriv") is None, reason="needs setpriv (util-linux)"
+)
+
+
+@contextlib.contextmanager
+def _lender(fill: int, dumpable: bool = True):
+    """A process lending a frame of ``fill``.  It runs without
+    CAP_SYS_PTRACE, as the reader of the test below: the kernel lets a
+    reader read only processes whose capabilities it has too."""
+    command = [*_NO_PTRACE, sys.executable, "-c", _LENDER, str(fill), str(int(dumpable))]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE) as p:
+        try:
+            yield json.loads(p.stdout.readline()), p.pid
+        finally:
+            p.stdin.close()
+            p.wait(timeout=30)
+
+
+@needs_setpriv
+def test_a_process_id_that_names_another_process_is_refused():
+    """Two processes of the same program: the message of one, read under the
+    other's process id (a recycled pid, or containers where every worker is
+    process 1), is refused.  The message is the worst case: the token's and
+    the frame's addresses are those of the other process, so every read
+    succeeds (as when two processes are laid out alike, with address-space
+    randomization off) and only the token's value tells them apart."""
+    with _lender(1) as (sender, _), _lender(2) as (other, other_pid):
+        (frame,) = samehost.read(sender, [])
+        assert (np.frombuffer(frame, np.int64) == 1).all()
+        (theirs,) = samehost.read(other, [])
+        assert (np.frombuffer(theirs, np.int64) == 2).all()
+        impostor = {**other, "token": sender["token"]}  # all the rest is the other's
+        with pytest.raises(samehost.LendRefused, match=f"process {other_pid} is not the sender"):
+            samehost.read(impostor, [])
+
+
+# Reads a lender's message (stdin) and says what came of it.
+_READER = """
+import json, sys
+from gpushuffle import samehost
+try:
+    samehost.read(json.loads(sys.stdin.read()), [])
+    print("read")
+except samehost.LendRefused as e:
+    print("refused:", e)
+"""
+
+
+@needs_setpriv
+@pytest.mark.parametrize("dumpable", [True, False], ids=["allowed", "refused"])
+def test_a_reader_the_kernel_refuses_gets_a_refusal_not_an_error(dumpable):
+    """A reader without CAP_SYS_PTRACE may read a process of its own user only
+    while that process is dumpable; otherwise the kernel says EPERM (as under
+    another user, or a seccomp profile such as Docker's default)."""
+    with _lender(7, dumpable=dumpable) as (lender, pid):
+        done = subprocess.run(
+            [*_NO_PTRACE, sys.executable, "-c", _READER],
+            input=json.dumps(lender),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+    expected = (
+        "read"
+        if dumpable
+        else (f"refused: process_vm_readv from process {pid}: Operation not permitted")
+    )
+    assert done.stdout.strip() == expected, done
 
 
 def _frame(n: int = 240_000) -> pd.DataFrame:

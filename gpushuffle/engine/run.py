@@ -470,6 +470,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     if (shard.input_partition, shard.chunk) not in self.received:
                         read_lent(shard, _receive_buffer)
             except samehost.LendRefused as e:
+                statistics.add(reads_refused=1)
                 # distributed's comm buffer accepts only "OK" or "error"; the
                 # sender's send() turns this into "OK" once it sent the bytes.
                 return {"status": "OK", "lend": "refused", "reason": str(e)}  # type: ignore[return-value]

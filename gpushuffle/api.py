@@ -267,10 +267,34 @@ def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
             frame,
             self.partitioning_index,
             self.npartitions_out,
-            self.ignore_index,
+            _drops_index(self),
             self.options,
             self.original_partitioning_index,
         )
+    )
+
+
+def _drops_index(shuffle: Shuffle) -> bool:
+    """Whether output partitions get a fresh index: ``ignore_index`` was asked
+    for and the collection's meta agrees.
+
+    dask's meta of a shuffle resets the index only for its ``tasks`` method;
+    for the others (p2p, gpushuffle) it keeps the input's, and ``p2p`` keeps
+    the index in the data too.  Outputs whose index contradicted their meta
+    (a named datetime index in meta, a fresh RangeIndex in the data) would
+    break what dask builds on that meta (``reset_index`` would add another
+    column), so the index is kept unless a fresh one looks exactly like
+    meta's, which saves sending it.
+    """
+    if not shuffle.ignore_index:
+        return False
+    meta = shuffle._meta.drop(columns=shuffle.partitioning_index, errors="ignore")
+    fresh = meta.reset_index(drop=True).index
+    index = meta.index
+    return bool(
+        type(index) is type(fresh)
+        and index.dtype == fresh.dtype
+        and list(index.names) == list(fresh.names)
     )
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from test_shuffle import check, make_frame
-from truth import partitions_of
 
 import gpushuffle
 
@@ -79,20 +78,6 @@ def test_partition_with_other_columns_names_them(client):
     broken = df.map_partitions(drop_in_one, meta=df._meta, enforce_metadata=False)
     with pytest.raises(gpushuffle.ShuffleInputError, match=r"input partition 1 .*missing: \['b'\]"):
         broken.shuffle("key", shuffle_method="gpushuffle").compute()
-
-
-def test_loose_meta_is_cast_not_rejected(client):
-    """An int column that is float in some partitions (nulls) is cast to meta."""
-    pdf = pd.DataFrame({"key": np.arange(100) % 7, "v": np.arange(100)})
-    df = dd.from_pandas(pdf, npartitions=4, sort=False)
-
-    def floaty(part, partition_info=None):
-        return part.astype({"v": "float64"}) if partition_info["number"] == 0 else part
-
-    loose = df.map_partitions(floaty, meta=df._meta, enforce_metadata=False)
-    parts = partitions_of(loose.shuffle("key", npartitions=3, shuffle_method="gpushuffle"))
-    assert all(p["v"].dtype == np.int64 for p in parts)
-    assert sorted(pd.concat(parts)["v"]) == list(range(100))
 
 
 def _frame_with_locks(i: int) -> pd.DataFrame:

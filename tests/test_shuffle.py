@@ -178,14 +178,17 @@ def test_all_inputs_empty(client):
 
 
 def test_ignore_index(client):
+    """A named index stays, as dask's meta (and p2p) say; a plain one is
+    dropped (tests/test_dask_semantics.py)."""
     pdf = make_frame(600, seed=5)
     df = dd.from_pandas(pdf, npartitions=3, sort=False)
     ours = df.shuffle("key", npartitions=4, ignore_index=True, shuffle_method="gpushuffle")
+    assert ours._meta.index.name == "idx"
     parts = partitions_of(ours)
     truth = partitions_of(df.shuffle("key", npartitions=4, shuffle_method="tasks"))
     for a, b in zip(parts, truth, strict=True):
-        assert isinstance(a.index, pd.RangeIndex)
-        assert checksum(a, index=False) == checksum(b, index=False)
+        assert a.index.name == "idx" and a.index.dtype == ours._meta.index.dtype
+        assert checksum(a) == checksum(b)
 
 
 def test_two_shuffles_at_once_and_twice(client):

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 from pandas.api.types import union_categoricals
+from pandas.core.dtypes.cast import find_common_type  # type: ignore[attr-defined]  # as p2p
 
 from gpushuffle.backends import arrow, flat
 from gpushuffle.backends.base import (
@@ -410,13 +411,40 @@ def _concat_column(
     if copied is None:
         out = _contiguous(out)
         copied = 0 if len(parts) == 1 and _same_memory(out, first) else int(out.nbytes)
-    if out.dtype != dtype:
-        if isinstance(out, np.ndarray) and not isinstance(dtype, np.dtype):
-            out = pd.Series(out, copy=False).astype(dtype).array
+    target = output_dtype(out.dtype, dtype)
+    if out.dtype != target:
+        if isinstance(out, np.ndarray) and not isinstance(target, np.dtype):
+            out = pd.Series(out, copy=False).astype(target).array
         else:
-            out = out.astype(dtype, copy=False)
+            out = out.astype(target, copy=False)
         copied = int(out.nbytes)
     return out, copied
+
+
+def output_dtype(actual: Any, expected: Any) -> Any:
+    """The dtype of an output column whose rows came as ``actual``, where
+    meta says ``expected``.
+
+    Meta's where the cast keeps every value (int32 rows in an int64 column,
+    object strings in a string column); otherwise the type both fit, as
+    distributed's p2p gives (``find_common_type``, distributed issue 8183):
+    NaN that a left or outer join brought into an int64 column stays NaN in
+    float64, booleans with NaN stay object, and the output's dtype then
+    differs from meta's, as with ``p2p`` and ``tasks``.
+    """
+    if actual == expected:
+        return expected
+    if isinstance(expected, pd.StringDtype) and (
+        actual == np.dtype(object) or isinstance(actual, pd.StringDtype)
+    ):
+        return expected  # dask's meta often says string where rows are object
+    if (
+        isinstance(actual, np.dtype)
+        and isinstance(expected, np.dtype)
+        and np.can_cast(actual, expected, "safe")
+    ):
+        return expected
+    return find_common_type([actual, expected])
 
 
 #: An Arrow chunk of its own memory with at least this many rows stays a
@@ -737,7 +765,10 @@ class PandasBackend(TableBackend):
         check_frame(frame, meta, pd.DataFrame, input_partition, column)
         dtypes = _dtypes(frame)
         for name, actual, expected in zip(meta.columns, dtypes, _dtypes(meta), strict=True):
-            if actual != expected and not _compatible(actual, expected):
+            # The partition column is the shuffle's own (check_frame checks
+            # it): dask's meta for it may say anything (set_index on a
+            # derived datetime key says datetime64).
+            if name != column and actual != expected and not _compatible(actual, expected):
                 raise dtype_mismatch(name, input_partition, actual, expected)
         for i, dtype in enumerate(dtypes):
             if isinstance(dtype, np.dtype) and dtype.kind == "O":
@@ -897,7 +928,7 @@ class PandasBackend(TableBackend):
         elif keep_index:
             index = _concat_index(indexes, pool)
             if index.dtype != meta.index.dtype and not isinstance(index, pd.MultiIndex):
-                index = index.astype(meta.index.dtype)
+                index = index.astype(output_dtype(index.dtype, meta.index.dtype))
             index.names = meta.index.names
         else:
             index = pd.RangeIndex(nrows)

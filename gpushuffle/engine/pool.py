@@ -356,6 +356,7 @@ class HostBufferPool:
         self._trimmer: threading.Thread | None = None
         self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._workers_lock = threading.Lock()  # added to on the loop, read by the trimmer
+        self._watched_workers = False
 
     # -- handing out ----------------------------------------------------------
 
@@ -497,11 +498,14 @@ class HostBufferPool:
         # drops, and nothing a shuffle keeps for speed is worth that: free
         # blocks go, and so does what malloc kept, as when no shuffle runs.
         paused = self.worker_paused()
+        gone = self.workers_gone()
         with self._lock:
             self._absorb_returned()
             now = time.monotonic()
             active, since = self._activity.active, self._activity.since
-            quiet = (not active and now - since >= older_than) or paused
+            # Once every worker of this process closed, nothing will reuse
+            # the blocks: no grace period.
+            quiet = (not active and (now - since >= older_than or gone)) or paused
             # While shuffles transfer, free blocks wait for their unpacks,
             # whose outputs take them up (HostBufferPool.empty_buffers).
             # Once every one unpacks, a block nobody took for an eighth of
@@ -543,7 +547,13 @@ class HostBufferPool:
         (distributed's ``worker.memory.pause``), shuffles running or not."""
         with self._workers_lock:
             self._workers.add(worker)
+            self._watched_workers = True
         self._ensure_trimmer()
+
+    def workers_gone(self) -> bool:
+        """Whether every worker given to :meth:`watch_worker` has closed."""
+        with self._workers_lock:
+            return self._watched_workers and not any(_running(w) for w in self._workers)
 
     def worker_paused(self) -> bool:
         from distributed.core import Status
@@ -624,11 +634,18 @@ class HostBufferPool:
             if self._trimmer is not None:
                 return
             self._trimmer = threading.Thread(
-                target=self._trim_forever, daemon=True, name="gpushuffle-host-pool-trimmer"
+                target=self._trim_while_needed, daemon=True, name="gpushuffle-host-pool-trimmer"
             )
             self._trimmer.start()
 
-    def _trim_forever(self) -> None:
+    def _trim_while_needed(self) -> None:
+        """Release idle memory until the pool holds none and no shuffle runs.
+
+        The thread then ends: a process that shuffled once keeps no thread
+        (distributed's test harness counts threads left behind) and no
+        memory; the next :meth:`empty`, :meth:`hold` or :meth:`watch_worker`
+        starts another.
+        """
         while True:
             time.sleep(min(max(self.idle_release / 16, 0.02), 0.1))
             try:
@@ -636,6 +653,30 @@ class HostBufferPool:
             except Exception:  # pragma: no cover - nothing would give memory back
                 # A trimmer that died would leave every free block mapped.
                 logger.exception("gpushuffle: releasing idle host memory failed")
+            with self._lock:
+                self._absorb_returned()
+                if self._idle():
+                    self._trimmer = None
+                    return
+
+    def _idle(self) -> bool:
+        """Whether nothing is left to release: no shuffle, no block free or
+        in use, malloc's settings restored.  Under the lock."""
+        return (
+            not self._activity.active
+            and not self._sizes
+            and not self._returned
+            and not any(self._in_use.values())
+            and self._idle_released
+            and not self.malloc.reusing
+        )
+
+
+def _running(worker: Any) -> bool:
+    """Whether ``worker`` has not closed (it may still run shuffles)."""
+    from distributed.core import Status
+
+    return getattr(worker, "status", None) not in (Status.closing, Status.closed, Status.failed)
 
 
 _POOL: HostBufferPool | None = None

@@ -246,3 +246,67 @@ def test_no_thread_or_pool_memory_left_once_an_in_process_cluster_closes():
     assert not left, left
     usage = host_pool().usage()
     assert not any(usage.values()), usage
+
+
+# -- errors in p2p's words ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["transfer", "unpack"])
+def test_a_failure_reads_as_p2p_words_it_with_the_real_error_as_cause(phase):
+    from gpushuffle.engine.tasks import _phase_errors
+
+    cause = ValueError("the real reason")
+    expected = rf"^P2P abc failed during {phase} phase"
+    with (
+        pytest.raises(RuntimeError, match=expected) as info,
+        _phase_errors("abc", phase, "input partition 3"),
+    ):
+        raise cause
+    assert info.value.__cause__ is cause
+    assert "the real reason" in str(info.value) and "input partition 3" in str(info.value)
+
+
+# -- what dask's own tests check of a method's expressions ------------------------------
+
+
+def test_a_join_of_a_column_to_a_string_index(client):
+    """dask's test_join_by_index_patterns: meta's index is an Index of
+    pandas' string dtype, no numpy array (the unpack failed on it)."""
+    pdl = pd.DataFrame({"a": list("abcdefg"), "b": [7, 6, 5, 4, 3, 2, 1]}, index=list("abcdefg"))
+    pdr = pd.DataFrame({"c": list("abdg"), "d": [5, 4, 3, 2]}, index=list("abdg"))
+    ddl, ddr = dd.from_pandas(pdl, 3), dd.from_pandas(pdr, 2)
+    for how in ("inner", "left", "outer"):
+        out = ddl.join(ddr, how=how, on="a", shuffle_method="gpushuffle").compute()
+        expected = pdl.join(pdr, how=how, on="a")
+        assert_eq(out.sort_values("b"), expected.sort_values("b"), check_index=False)
+
+
+def test_column_projections_reach_the_inputs_of_a_gpushuffle_join():
+    """dask's test_merge_combine_similar_intermediate_projections, for
+    gpushuffle's join expression (dask's test asks for its own classes)."""
+    from gpushuffle.api import GPUHashJoin
+
+    pdf = pd.DataFrame({"a": range(1, 11), "b": 1, "c": 1})
+    pdf2 = pd.DataFrame({"a": range(1, 11), "x": 1})
+    pdf3 = pd.DataFrame({"d": range(1, 11), "e": 1, "y": 1})
+    df, df2, df3 = (dd.from_pandas(p, npartitions=n) for p, n in ((pdf, 2), (pdf2, 3), (pdf3, 3)))
+    with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+        q = df.merge(df2).merge(df3, left_on="b", right_on="d")[["b", "x", "y"]]
+        q["new"] = q.b + q.x
+        joins = [e for e in q.optimize(fuse=False).walk() if isinstance(e, GPUHashJoin)]
+    columns = sorted((list(j.left.columns), list(j.right.columns)) for j in joins)
+    # "c" and "e" are never read: no shuffle carries them.
+    assert columns == [(["a", "b"], ["a", "x"]), (["b", "x"], ["d", "y"])], columns
+
+
+@pytest.mark.parametrize("func", ["set_index", "sort_values", "shuffle"])
+def test_the_method_in_effect_when_a_frame_is_built_is_kept(func):
+    """dask's test_respect_context_shuffle, for gpushuffle's expression."""
+    from gpushuffle.api import GPUShuffle
+
+    df = dd.from_pandas(pd.DataFrame({"x": list(range(20)) * 5, "y": range(100)}), 10)
+    with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+        q = getattr(df, func)("x")
+    with dask.config.set({"dataframe.shuffle.method": "tasks"}):
+        result = q.optimize(fuse=False)
+    assert any(isinstance(e, GPUShuffle) for e in result.walk())

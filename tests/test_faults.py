@@ -534,6 +534,7 @@ async def test_closed_barrier_worker_with_no_allowed_failures_raises_killed_work
     await closing.close()
     with pytest.raises(KilledWorker):
         await c.gather(futures)
+    assert sum(e["action"] == "p2p-failed" for _, e in s.get_events("p2p")) == 1
     runs[alive].block_inputs_done.set()
     del futures
     await finish(c, s)

@@ -538,7 +538,12 @@ def _compatible(actual: Any, expected: Any) -> bool:
 
 
 def _plain_index(index: pd.Index) -> bool:
-    return type(index) in (pd.Index, pd.RangeIndex) and _poolable(np.empty(0, index.dtype))
+    # An Index of an extension dtype (string, nullable ints) is no numpy array.
+    return (
+        type(index) in (pd.Index, pd.RangeIndex)
+        and isinstance(index.dtype, np.dtype)
+        and _poolable(np.empty(0, index.dtype))
+    )
 
 
 def _fill_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:

@@ -95,11 +95,11 @@ def join_unpack(
     Each side is assembled against its meta, then the two are merged by the
     backend; neither side becomes a key of its own in worker memory.
     """
-    with _phase_errors(id_left, f"unpack of output partition {output_partition} (left side)"):
+    with _phase_errors(id_left, "unpack", f"output partition {output_partition}, left side"):
         left = get_output(id_left, barrier_left, output_partition)
-    with _phase_errors(id_right, f"unpack of output partition {output_partition} (right side)"):
+    with _phase_errors(id_right, "unpack", f"output partition {output_partition}, right side"):
         right = get_output(id_right, barrier_right, output_partition)
-    with _phase_errors(id_left, f"merge of output partition {output_partition}"):
+    with _phase_errors(id_left, "unpack", f"merge of output partition {output_partition}"):
         return backend_for(result_meta).merge(
             left,
             right,

@@ -37,7 +37,9 @@ from gpushuffle.errors import (
 
 
 @contextlib.contextmanager
-def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
+def _phase_errors(id: ShuffleId, phase: str, what: str) -> Generator[None]:
+    """Errors of one phase as p2p words them ("P2P <id> failed during
+    transfer phase", the real error chained), with what failed and why."""
     try:
         yield
     except Reschedule:
@@ -56,7 +58,9 @@ def _phase_errors(id: ShuffleId, what: str) -> Generator[None]:
     ):
         raise
     except Exception as e:
-        raise RuntimeError(f"gpushuffle {id} failed during {what}: {type(e).__name__}: {e}") from e
+        raise RuntimeError(
+            f"P2P {id} failed during {phase} phase (gpushuffle, {what}): {type(e).__name__}: {e}"
+        ) from e
 
 
 def _worker_plugin() -> ShuffleWorkerPlugin:
@@ -75,7 +79,7 @@ def _worker_plugin() -> ShuffleWorkerPlugin:
 
 def transfer(input: Any, id: ShuffleId, input_partition: int) -> int:
     """Split one input partition and hand its shards to their workers."""
-    with _phase_errors(id, f"transfer of input partition {input_partition}"):
+    with _phase_errors(id, "transfer", f"input partition {input_partition}"):
         plugin = _worker_plugin()
         run = known_run(plugin, id)
         if run is None:
@@ -94,7 +98,7 @@ def get_output(id: ShuffleId, barrier_run_id: int, partition: int) -> Any:
 
 def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
-    with _phase_errors(id, f"unpack of output partition {output_partition}"):
+    with _phase_errors(id, "unpack", f"output partition {output_partition}"):
         return get_output(id, barrier_run_id, output_partition)
 
 
@@ -134,7 +138,7 @@ def barrier(id: ShuffleId, *run_ids: int) -> int:
         if (peer_error := _error_of_a_peer(e)) is not None:
             raise peer_error from e
         raise RuntimeError(
-            f"gpushuffle {id} failed during the barrier: {type(e).__name__}: {e}"
+            f"P2P {id} failed during barrier phase (gpushuffle): {type(e).__name__}: {e}"
         ) from e
 
 

@@ -1,0 +1,249 @@
+"""What distributed's own P2P tests check, checked for gpushuffle.
+
+distributed's shuffle tests (``distributed/shuffle/tests/`` at 2026.7.1)
+ship in neither its wheel nor its sdist, so they cannot run in CI as dask's
+do (``ci/upstream_tests.py``).  These are gpushuffle's own tests of the
+behaviours they check that apply to any P2P-style method used through
+dask's API; each names the upstream test it follows.  Worker loss in every
+phase is in ``test_faults.py``, floats in int meta in
+``test_dask_semantics.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from dask.dataframe.utils import assert_eq
+from distributed import Event
+from faults import (
+    TRANSFER,
+    assert_correct,
+    cluster_test,
+    gpushuffled,
+    truth,
+    wait_for,
+    wait_for_shuffle,
+    wait_for_tasks,
+)
+from test_faults import NIN, NOUT, ROWS, finish, parts_of
+
+from gpushuffle.backends.pandas import PandasBackend
+from gpushuffle.engine.memory import reset_worker_memory
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _process_state():
+    reset_worker_memory()
+    yield
+    reset_worker_memory()
+
+
+def _p2p_failures(s: Any) -> int:
+    return sum(e["action"] == "p2p-failed" for _, e in s.get_events("p2p"))
+
+
+# -- the scheduler's p2p events ----------------------------------------------------
+
+
+def _failing_part(i: int, rows: int) -> pd.DataFrame:
+    from distributed import Event, get_client
+    from faults import make_part
+
+    if i == 3:
+        Event("fail-input", client=get_client()).wait(60)
+        raise RuntimeError("test error")
+    return make_part(i, rows)
+
+
+@cluster_test(n_workers=2, config={"distributed.scheduler.allowed-failures": 0})
+async def test_an_error_before_the_shuffle_reaches_the_user_and_logs_no_p2p_failure(c, s, a, b):
+    """test_erred_task_before_p2p_does_not_log_event"""
+    from faults import make_part
+
+    meta = make_part(0, 0)
+    df = dd.from_map(_failing_part, range(NIN), [ROWS] * NIN, meta=meta, enforce_metadata=False)
+    futures = c.compute(df.shuffle("key", npartitions=NOUT, shuffle_method="gpushuffle"))
+    await wait_for_shuffle(s)
+    await Event("fail-input", client=c).set()
+    with pytest.raises(RuntimeError, match="test error"):
+        await futures
+    assert _p2p_failures(s) == 0
+    del futures
+    await finish(c, s)
+
+
+@cluster_test(n_workers=2, config={"distributed.scheduler.allowed-failures": 1})
+async def test_a_restart_that_recovers_logs_no_p2p_failure(c, s, a, b):
+    """test_restarting_does_not_log_p2p_failed"""
+    expected = truth(NIN, ROWS, NOUT)
+    futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+    await wait_for_shuffle(s)
+    await wait_for_tasks(s, TRANSFER, "memory", 1, b.address)
+    await b.close()
+    assert_correct(await c.gather(futures), expected)
+    assert not s.get_events("p2p"), s.get_events("p2p")
+    del futures
+    await finish(c, s)
+
+
+# -- errors keep their cause ---------------------------------------------------------
+
+
+def _boom(*args: Any, **kwargs: Any) -> Any:
+    raise ValueError("boom: not a gpushuffle error")
+
+
+@pytest.mark.parametrize("phase, target", [("transfer", "split_groups"), ("unpack", "assemble")])
+@cluster_test(n_workers=2)
+async def test_an_unexpected_error_reaches_the_user_with_its_cause(c, s, a, b, phase, target):
+    """raises_with_cause(RuntimeError, "P2P .* failed", ...), as upstream checks."""
+    with mock.patch.object(PandasBackend, target, _boom):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT))
+        with pytest.raises(RuntimeError, match=rf"^P2P \w+ failed during {phase} phase") as info:
+            await futures
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and "boom" in str(cause), repr(cause)
+    del futures
+    await finish(c, s)
+
+
+# -- part of the outputs, twice ------------------------------------------------------
+
+
+@cluster_test(n_workers=2)
+async def test_half_the_outputs_then_all_of_them_on_one_shuffle(c, s, a, b):
+    """test_add_some_results and test_delete_some_results"""
+    expected = truth(NIN, ROWS, NOUT)
+    out = gpushuffled(NIN, ROWS, NOUT)
+    half = c.persist(out.partitions[: NOUT // 2])
+    await wait_for(lambda: any(ts.state == "memory" for ts in s.tasks.values()))
+    everything = c.persist(out)
+    parts = await parts_of(c, everything)
+    assert_correct(parts, expected)
+    first = await parts_of(c, half)
+    for i, part in enumerate(first):
+        pd.testing.assert_frame_equal(part, parts[i])
+    del half, everything, out
+    await finish(c, s)
+
+
+# -- merges: one shuffle per side and parameters ------------------------------------
+
+
+def test_a_frame_merged_twice_gets_a_shuffle_of_its_own_each_time(client):
+    """test_merge_p2p_shuffle_reused_dataframe_with_different_parameters"""
+    pdf1 = pd.DataFrame({"a": range(100), "b": range(0, 200, 2)})
+    pdf2 = pd.DataFrame({"x": range(200), "y": [1, 2, 3, 4] * 50})
+    ddf1 = dd.from_pandas(pdf1, npartitions=5)
+    ddf2 = dd.from_pandas(pdf2, npartitions=10)
+    with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+        out = (
+            ddf1.merge(ddf2, left_on="a", right_on="x")
+            .repartition(npartitions=20)
+            .merge(ddf2, left_on="b", right_on="x")
+        )
+        barriers = {k for k in out.dask if str(k).startswith("shuffle-barrier-")}
+        assert len(barriers) == 4, barriers
+        result = out.compute()
+    expected = pdf1.merge(pdf2, left_on="a", right_on="x").merge(pdf2, left_on="b", right_on="x")
+    assert_eq(result, expected, check_index=False)
+
+
+# -- data p2p's tests found hard -------------------------------------------------------
+
+
+def test_partitions_with_categories_of_their_own(client):
+    """test_handle_categorical_data (distributed issue 8186)"""
+    df = dd.from_dict({"a": [1, 2, 3, 4, 5], "b": ["x", "y", "x", "y", "z"]}, npartitions=2)
+    df["b"] = df.b.astype("category")
+    shuffled = df.shuffle("a", shuffle_method="gpushuffle")
+    result, expected = dask.compute(shuffled, df)
+    assert_eq(result, expected, check_categorical=False)
+    assert sorted(result["b"].astype(str)) == ["x", "x", "y", "y", "z"]
+
+
+def test_lists_of_dicts_and_a_partition_of_nulls(client):
+    """test_handle_null_partitions"""
+    data = [
+        {"companies": [], "id": "a", "x": None},
+        {"companies": [{"id": 3}, {"id": 5}], "id": "b", "x": None},
+        {"companies": [{"id": 3}, {"id": 4}, {"id": 5}], "id": "c", "x": "b"},
+        {"companies": [{"id": 9}], "id": "a", "x": "a"},
+    ]
+    df = pd.DataFrame(data)
+    out = dd.from_pandas(df, npartitions=2).shuffle(
+        on="id", ignore_index=True, shuffle_method="gpushuffle"
+    )
+    # A plain RangeIndex with ignore_index: fresh indexes, as tasks gives
+    # (p2p keeps the input's; meta says RangeIndex either way).
+    assert_eq(out.compute(), df, check_index=False)
+
+
+def _null_every_other(i: int) -> pd.DataFrame:
+    rng = np.random.default_rng(i)
+    if i % 2 == 1:
+        return pd.DataFrame({"a": rng.random(10), "b": [None] * 10})
+    return pd.DataFrame({"a": rng.random(10), "b": rng.random(10)})
+
+
+def test_float_meta_with_partitions_of_nothing_but_none(client):
+    """test_handle_null_partitions_2 (xfail for p2p on pandas 3: dask/distributed#9184)"""
+    with dask.config.set({"dataframe.convert-string": False}):
+        ddf = dd.from_map(_null_every_other, range(5), meta={"a": float, "b": float})
+    out = ddf.shuffle(on="a", ignore_index=True, shuffle_method="gpushuffle")
+    expected, result = dask.compute(ddf, out)
+    assert len(result) == len(expected) == 50
+    assert result["b"].isna().sum() == expected["b"].isna().sum() == 20
+    got = result.sort_values("a").reset_index(drop=True)
+    want = expected.sort_values("a").reset_index(drop=True)
+    np.testing.assert_array_equal(got["a"], want["a"])
+    np.testing.assert_array_equal(got["b"].astype(float), want["b"].astype(float))
+
+
+def _mismatched(i: int) -> pd.DataFrame:
+    rng = np.random.default_rng(i)
+    if i % 2 == 1:
+        return pd.DataFrame({"a": rng.random(10), "b": rng.integers(1, 10, 10)})
+    return pd.DataFrame({"a": rng.random(10), "b": rng.random(10)})
+
+
+def test_int_and_float_partitions_under_float_meta(client):
+    """test_reconcile_partitions"""
+    ddf = dd.from_map(_mismatched, range(50), meta={"a": float, "b": float})
+    out = ddf.shuffle(on="a", ignore_index=True, shuffle_method="gpushuffle")
+    expected, result = dask.compute(ddf, out)
+    assert_eq(result, expected, check_index=False)  # fresh indexes, as with tasks
+
+
+def test_numpy_arrays_in_an_object_column(client):
+    """test_handle_object_columns"""
+    with dask.config.set({"dataframe.convert-string": False}):
+        df = pd.DataFrame(
+            {
+                "a": [1, 2, 3],
+                "b": [np.asarray([1, 2, 3]), np.asarray([4, 5, 6]), np.asarray([7, 8, 9])],
+                "c": ["foo", "bar", "baz"],
+            }
+        )
+        shuffled = dd.from_pandas(df, npartitions=2).shuffle(on="a", shuffle_method="gpushuffle")
+        result = shuffled.compute()
+    assert_eq(result, df)
+
+
+@pytest.mark.parametrize("keep", ["first", "last"])
+def test_drop_duplicates_keeps_the_row_pandas_keeps(client, keep):
+    """test_drop_duplicates_stable_ordering"""
+    df = dask.datasets.timeseries(end="2000-01-05")
+    with dask.config.set({"dataframe.shuffle.method": "gpushuffle"}):
+        result, expected = dask.compute(
+            df.drop_duplicates(subset=["name"], keep=keep, split_out=df.npartitions), df
+        )
+    assert_eq(result, expected.drop_duplicates(subset=["name"], keep=keep))

@@ -52,11 +52,45 @@ FILES = {
 }
 
 #: Fewer passing tests than this means something went wrong in collection.
-MIN_PASSED = 800
+MIN_PASSED = 700
 
 #: Failures that do not apply to gpushuffle: test id -> why, and which of
 #: gpushuffle's own tests covers the behaviour.
-KNOWN: dict[str, str] = {}
+KNOWN: dict[str, str] = {
+    "tests_test_shuffle::test_disk_shuffle_with_unknown_compression": (
+        "checks the disk method's dataframe.shuffle.compression option (an unknown "
+        "codec raises ImportError); gpushuffle compresses nothing and has no such option"
+    ),
+    "dask_expr_test_distributed::test_shuffle_consistency_checks": (
+        "checks p2p's refusal of complex dtypes and non-string column names, which "
+        "gpushuffle carries: tests/test_bad_input.py::"
+        "test_complex_sparse_and_non_string_column_names_work"
+    ),
+    **{
+        f"dask_expr_test_distributed::test_respect_context_shuffle[{func}]": (
+            "looks for p2p's expression class (P2PShuffle); the same check for "
+            "gpushuffle's: tests/test_dask_semantics.py::"
+            "test_the_method_in_effect_when_a_frame_is_built_is_kept"
+        )
+        for func in ("set_index", "sort_values", "shuffle")
+    },
+    "dask_expr_test_merge::test_merge_combine_similar_intermediate_projections": (
+        "looks for dask's Merge class where gpushuffle's lowering puts its join; the "
+        "projections it checks: tests/test_dask_semantics.py::"
+        "test_column_projections_reach_the_inputs_of_a_gpushuffle_join"
+    ),
+}
+
+#: Tests not run: they hang under any distributed client, with the tasks
+#: method too and without gpushuffle imported (dask and distributed
+#: 2026.7.1: the divisions of a set_index over a frame with an empty
+#: partition are never computed; ``--method tasks`` shows it).
+HANG_UNDER_ANY_CLIENT = [
+    "tests_test_shuffle.py::test_set_index_empty_partition",
+    "tests_test_shuffle.py::test_set_index_sorts",
+    "tests_test_shuffle.py::test_empty_partitions",
+    "dask_expr_test_shuffle.py::test_empty_partitions",
+]
 
 CONFTEST = '''
 """Written by ci/upstream_tests.py: gpushuffle as dask's shuffle method."""
@@ -104,6 +138,22 @@ if os.environ.get("GPUSHUFFLE_UPSTREAM_SESSION") == "client":
             for name in ("sync", "synchronous", "single-threaded", "threads", "threading"):
                 dask.base.named_schedulers[name] = client.get
             yield client
+
+    from dask.dataframe.dask_expr.tests import _util
+
+    _dask_expr_assert_eq = _util.assert_eq
+
+    def _assert_eq(a, b, *args, **kwargs):
+        # dask-expr's assert_eq first pickles each graph with expressions
+        # forbidden ("dask-expr-no-serialize"); building the graph of a
+        # set_index or sort_values computes divisions, which a client can
+        # only do by sending expressions.  Compute them first.
+        for obj in (a, b):
+            if hasattr(obj, "divisions"):
+                obj.divisions
+        return _dask_expr_assert_eq(a, b, *args, **kwargs)
+
+    _util.assert_eq = _assert_eq
 '''
 
 
@@ -151,6 +201,7 @@ def copy_tests(dask_root: Path, workdir: Path, method: str) -> dict[str, list[Pa
 
 def run(workdir: Path, session: str, files: list[Path], method: str, extra: list[str]) -> Path:
     report = workdir / f"{session}.xml"
+    names = {f.name for f in files}
     env = {
         **os.environ,
         "GPUSHUFFLE_UPSTREAM_SESSION": session,
@@ -175,6 +226,7 @@ def run(workdir: Path, session: str, files: list[Path], method: str, extra: list
         "-W",
         "ignore::DeprecationWarning",
         *[str(f) for f in files],
+        *[f"--deselect={t}" for t in HANG_UNDER_ANY_CLIENT if t.split("::")[0] in names],
         *extra,
     ]
     print("+", " ".join(command), flush=True)

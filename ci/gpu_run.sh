@@ -21,7 +21,8 @@
 #    with the reason.  All steps together keep to GPU_RUN_BUDGET_S (420 s).
 # RESULTS_DIR gets three files: gpu_run.log (everything printed), test_gpu.xml and
 # gpu-<device>-<date>.json (every step's status, reason, time and results).
-# Exit status: 0 when no step failed (skipped ones are fine), 1 otherwise, 2 bad usage.
+# Exit status: 0 when no step failed (skipped ones are fine), 1 otherwise, 2 bad usage,
+# 3 when no GPU is usable (every GPU step skipped: a run that tested nothing is no pass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -186,8 +187,10 @@ main() {
     # The reason a step cannot run, empty when it can.
     local need_gpu=$GPU_REASON need_cudf=$CUDF_REASON need_ucx=${CUDF_REASON:-$UCX_REASON}
 
-    step test_gpu 120 "$(reserve_after bench device_check ucx)" "$need_gpu" -- \
-        "$PYTHON" -m pytest tests/test_gpu.py -rs -p no:cacheprovider \
+    # GPUSHUFFLE_REQUIRE_GPU: the tests fail, not skip, if cuDF cannot compute.
+    # A first CUDA context, JIT and two dask-cuda workers take a minute or more.
+    step test_gpu 240 "$(reserve_after bench device_check ucx)" "$need_gpu" -- \
+        env GPUSHUFFLE_REQUIRE_GPU=1 "$PYTHON" -m pytest tests/test_gpu.py -rs -p no:cacheprovider \
         --junitxml="$RESULTS/test_gpu.xml" -o junit_family=xunit2
     # shellcheck disable=SC2086  # GPU_BENCH_ARGS: extra options, e.g. "--rows 50000000"
     step bench 120 "$(reserve_after device_check ucx)" "$need_cudf" -- \
@@ -204,7 +207,13 @@ main() {
     [ $USE_KIT = no ] && mode=no-kit
     "$PYTHON" ci/gpu_run.py report "$WORK" "$RESULTS" "$BUDGET" "$mode"
     echo "gpu_run: done in $((SECONDS - START)) s"
-    ! cut -f2 "$WORK/steps.tsv" | grep -qE '^(failed|timeout)$'
+    if cut -f2 "$WORK/steps.tsv" | grep -qE '^(failed|timeout)$'; then
+        return 1
+    fi
+    if [ "$GPU" = 0 ]; then
+        echo "gpu_run: no GPU: $GPU_REASON" >&2
+        return 3
+    fi
 }
 
 set +e

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # For GPU CI runners: install the GPU and UCX extras and run the GPU tests
-# (cuDF backend, LocalCUDACluster over UCX).  They skip, naming the reason,
-# where no CUDA allocation succeeds.
+# (cuDF backend, dask-cuda workers over TCP and UCX).  Where no CUDA
+# allocation succeeds they fail, saying so (GPUSHUFFLE_REQUIRE_GPU): on a GPU
+# runner a run that skipped them would be a false green.
 #   PYTHON      the interpreter for .venv-gpu (default python3, 3.11 or newer)
 #   GPU_EXTRAS  the extras to install (default: gpu-cu13,ucx-cu13 where nvidia-smi
 #               shows a CUDA 13 driver, else gpu,ucx, the CUDA 12 wheels)
@@ -17,4 +18,4 @@ if [ -z "$extras" ]; then
 fi
 "${PYTHON:-python3}" -m venv .venv-gpu
 .venv-gpu/bin/pip install -q -e ".[$extras,test]"
-.venv-gpu/bin/python -m pytest -m gpu -rs "$@"
+GPUSHUFFLE_REQUIRE_GPU=1 .venv-gpu/bin/python -m pytest -m gpu -rs "$@"

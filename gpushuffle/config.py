@@ -99,5 +99,15 @@ def device_spill_limit() -> int | None:
         data = get_worker().data
     except (ImportError, ValueError):
         return None
-    limit = getattr(data, "device_memory_limit", None)
+    return _device_buffer_limit(data)
+
+
+def _device_buffer_limit(data: Any) -> int | None:
+    """The device limit of a worker's ``data``: dask-cuda 26.10's
+    ``DeviceHostFile`` keeps it as the threshold of its ``device_buffer``, a
+    ``zict.Buffer`` (``Buffer(device_func, device_host_func,
+    device_memory_limit, ...)`` in dask_cuda/device_host_file.py), whose
+    ``n`` it is; without a limit ``device_buffer`` is a plain dict."""
+    buffer = getattr(data, "device_buffer", None)
+    limit = getattr(buffer, "n", None)
     return int(limit) if isinstance(limit, int | float) and limit > 0 else None

@@ -50,9 +50,10 @@ def _results(directory: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_gpu_run_without_a_gpu_skips_every_step_with_the_reason(tmp_path, no_gpu):
+def test_gpu_run_without_a_gpu_skips_every_step_and_fails_saying_so(tmp_path, no_gpu):
     done = _run(["bash", "ci/gpu_run.sh", str(tmp_path / "results"), "--no-kit"])
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "gpu_run: no GPU: no usable CUDA device" in done.stdout, done.stdout
     results = tmp_path / "results"
     # At most 8 files come back from the device machine.
     assert sorted(p.name for p in results.iterdir()) == [

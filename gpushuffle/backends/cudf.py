@@ -66,23 +66,25 @@ run on a GPU.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import cudf
-import cupy
 import numpy as np
 import pandas as pd
 import pylibcudf as plc
 import rmm
 from cudf.core.column import ColumnBase
-from cudf.utils.dtypes import dtype_to_pylibcudf_type
+from cudf.core.column.utils import access_columns
+from cudf.utils.dtypes import PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES, dtype_to_pylibcudf_type
 
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.backends.columns import assemble_columns
 from gpushuffle.backends.pandas import dtype_family
 from gpushuffle.engine import copies
+from gpushuffle.errors import ShuffleInputError
 
 #: Device staging buffer of ChunkedPack when packing into host memory.
 STAGING_BYTES = 64 << 20
@@ -104,6 +106,10 @@ class CudfTable:
     nbytes: int
     parts: list[plc.Table] | None = None
     packed: list[tuple[bytes, Any]] | None = None
+    #: The cuDF dtype of each categorical column's categories (``parts[1:]``):
+    #: pylibcudf types lack timezones, decimal precision and struct field
+    #: names, which the output's categories must have.
+    category_dtypes: tuple[Any, ...] = ()
 
     def __reduce__(self) -> Any:
         # A pylibcudf table pickles its raw device address.
@@ -168,46 +174,70 @@ class CudfBackend(TableBackend):
         nranks: int,
         keep_index: bool,
     ) -> tuple[CudfTable, np.ndarray]:
-        data = frame.drop(columns=[column])
-        columns = [c.to_pylibcudf() for c in data._columns]
-        categorical = [c for c in data._columns if isinstance(c.dtype, cudf.CategoricalDtype)]
+        tables, offsets = self.split_groups(frame, column, rank, nranks, keep_index, [(0, nranks)])
+        return tables[0], offsets
+
+    def split_groups(
+        self,
+        frame: Any,
+        column: str,
+        rank: np.ndarray,
+        nranks: int,
+        keep_index: bool,
+        groups: Sequence[tuple[int, int]],
+        borrow: int | None = None,
+    ) -> tuple[list[CudfTable], np.ndarray]:
+        """One gather per group of ranks, so that each destination's rows are
+        device buffers of their own: the local shard kept in the store does
+        not keep the other workers' rows alive once they were sent."""
+        inputs = [c for name, c in frame._column_labels_and_values if name != column]
         if keep_index:
-            index_columns = data.index._columns
-            columns += [c.to_pylibcudf() for c in index_columns]
-            categorical += [c for c in index_columns if isinstance(c.dtype, cudf.CategoricalDtype)]
-        # rank[partition id] for every row, on the device.
-        ranks = plc.Column.from_array(cupy.asarray(rank))
-        partition_ids = frame._data[column].to_pylibcudf()
-        keys = plc.copying.gather(
-            plc.Table([ranks]), partition_ids, plc.copying.OutOfBoundsPolicy.DONT_CHECK
-        )
-        order = plc.sorting.stable_sorted_order(
-            keys, [plc.types.Order.ASCENDING], [plc.types.NullOrder.AFTER]
-        )
-        sorted_keys = plc.copying.gather(keys, order, plc.copying.OutOfBoundsPolicy.DONT_CHECK)
-        needles = plc.Column.from_array(cupy.arange(nranks + 1, dtype=rank.dtype))
-        bounds = plc.search.lower_bound(
-            sorted_keys,
-            plc.Table([needles]),
-            [plc.types.Order.ASCENDING],
-            [plc.types.NullOrder.AFTER],
-        )
-        offsets = cupy.asnumpy(cupy.asarray(bounds)).astype(np.int64)
-        # Rows of rank ``nranks`` (outputs nobody asked for) sort last: cut them.
-        nrows = int(offsets[-1])
-        if nrows < len(frame):
-            order = plc.copying.slice(order, [0, nrows])[0]
-        if columns:
-            rows = plc.copying.gather(
-                plc.Table(columns), order, plc.copying.OutOfBoundsPolicy.DONT_CHECK
+            inputs += list(frame.index._columns)
+        categories = [c.categories for c in inputs if isinstance(c.dtype, cudf.CategoricalDtype)]
+        category_dtypes = tuple(c.dtype for c in categories)
+        key = frame._data[column]
+        tables = []
+        # Spill-safe reads (cudf's own pattern, core/_internals/sorting.py):
+        # with cuDF spilling on, the columns' buffers stay on the device, and
+        # spill-locked, while their pointers are in use.
+        with access_columns(key, *inputs, *categories, mode="read", scope="internal") as held:
+            columns = [c.plc_column for c in held[1 : 1 + len(inputs)]]
+            # Categories travel with each table: a copy of their own, not a
+            # view of the input's (which may spill or go).
+            category_parts = [plc.Table([c.plc_column.copy()]) for c in held[1 + len(inputs) :]]
+            # rank[partition id] for every row, on the device.
+            keys = plc.copying.gather(
+                plc.Table([plc.Column.from_array(rank)]),
+                held[0].plc_column,
+                plc.copying.OutOfBoundsPolicy.DONT_CHECK,
             )
-            nbytes = sum(int(c.device_buffer_size()) for c in rows.columns())
-        else:
-            rows, nbytes = plc.Table([]), 0
-        parts = [rows] + [plc.Table([c.categories.to_pylibcudf()]) for c in categorical]
-        copies.count("split", nbytes)
-        nbytes += sum(int(p.columns()[0].device_buffer_size()) for p in parts[1:])
-        return CudfTable(nrows=nrows, nbytes=nbytes, parts=parts), offsets
+            order = plc.sorting.stable_sorted_order(
+                keys, [plc.types.Order.ASCENDING], [plc.types.NullOrder.AFTER]
+            )
+            sorted_keys = plc.copying.gather(keys, order, plc.copying.OutOfBoundsPolicy.DONT_CHECK)
+            bounds = plc.search.lower_bound(
+                sorted_keys,
+                plc.Table([plc.Column.from_array(np.arange(nranks + 1, dtype=rank.dtype))]),
+                [plc.types.Order.ASCENDING],
+                [plc.types.NullOrder.AFTER],
+            )
+            # nranks + 1 integers to the host, as cudf's Frame.searchsorted
+            # reads lower_bound's result (core/frame.py).
+            offsets = _host_int64(bounds)
+            for first, last in groups:
+                start, stop = int(offsets[first]), int(offsets[last])
+                rows, nbytes = _gather_rows(columns, order, start, stop)
+                copies.count("split", nbytes)
+                nbytes += sum(int(p.columns()[0].device_buffer_size()) for p in category_parts)
+                tables.append(
+                    CudfTable(
+                        nrows=stop - start,
+                        nbytes=nbytes,
+                        parts=[rows, *category_parts],
+                        category_dtypes=category_dtypes,
+                    )
+                )
+        return tables, offsets
 
     def slice(self, table: CudfTable, start: int, stop: int) -> CudfTable:
         assert table.parts is not None, "slice device tables"
@@ -218,6 +248,7 @@ class CudfBackend(TableBackend):
             nbytes=table.nbytes * (stop - start) // max(table.nrows, 1),
             # Categories are shared by every slice of a table.
             parts=[view, *table.parts[1:]],
+            category_dtypes=table.category_dtypes,
         )
 
     # -- tiers and the wire --------------------------------------------------
@@ -225,13 +256,18 @@ class CudfBackend(TableBackend):
     def to_host(self, table: CudfTable) -> CudfTable:
         assert table.parts is not None, "to_host takes a device table"
         return CudfTable(
-            table.nrows, table.nbytes, packed=[_pack_to_host(p, table.nbytes) for p in table.parts]
+            table.nrows,
+            table.nbytes,
+            packed=[_pack_to_host(p, table.nbytes) for p in table.parts],
+            category_dtypes=table.category_dtypes,
         )
 
     def to_device(self, table: CudfTable) -> CudfTable:
         assert table.packed is not None, "to_device takes a table packed on the host"
         parts = [_unpack(metadata, _to_device(data)) for metadata, data in table.packed]
-        return CudfTable(table.nrows, table.nbytes, parts=parts)
+        return CudfTable(
+            table.nrows, table.nbytes, parts=parts, category_dtypes=table.category_dtypes
+        )
 
     def serialize(
         self, table: CudfTable, *, device_frames: bool = False
@@ -249,7 +285,16 @@ class CudfBackend(TableBackend):
         frames: list[Any] = []
         for metadata, data in packed:
             frames += [metadata, data]
-        return {"nrows": table.nrows, "nbytes": table.nbytes, "nparts": len(packed)}, frames
+        header: dict[str, Any] = {
+            "nrows": table.nrows,
+            "nbytes": table.nbytes,
+            "nparts": len(packed),
+        }
+        if table.category_dtypes:
+            # Host metadata, like pack's: dtypes pickle (cuDF's own
+            # serialization of a dtype pickles its categories' dtype too).
+            header["category_dtypes"] = pickle.dumps(table.category_dtypes, protocol=5)
+        return header, frames
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> CudfTable:
         # Frames from UCX arrive as device buffers (rmm.DeviceBuffer from the
@@ -261,7 +306,13 @@ class CudfBackend(TableBackend):
         ]
         if not any(hasattr(f, "__cuda_array_interface__") for f in frames[1::2]):
             copies.count("deserialize", header["nbytes"])  # host -> device
-        return CudfTable(nrows=header["nrows"], nbytes=header["nbytes"], parts=parts)
+        dtypes = header.get("category_dtypes")
+        return CudfTable(
+            nrows=header["nrows"],
+            nbytes=header["nbytes"],
+            parts=parts,
+            category_dtypes=pickle.loads(dtypes) if dtypes else (),
+        )
 
     # -- unpack -------------------------------------------------------------
 
@@ -271,16 +322,19 @@ class CudfBackend(TableBackend):
         categorical = [i for i, d in enumerate(dtypes) if isinstance(d, cudf.CategoricalDtype)]
         plain = [i for i in range(len(dtypes)) if i not in categorical]
         types = {i: dtype_to_pylibcudf_type(dtypes[i]) for i in plain}
+        labels = [*meta._column_names, *(meta.index.names if keep_index else [])]
         # Categorical pieces: codes (copied out of the piece) and categories.
-        coded: dict[int, list[tuple[plc.Column, plc.Table]]] = {i: [] for i in categorical}
+        coded: dict[int, list[tuple[plc.Column, plc.Table, Any]]] = {i: [] for i in categorical}
 
         def pieces() -> Iterator[list[plc.Column]]:
             for table in tables:
                 assert table.parts is not None, "assemble takes device tables"
                 columns = table.rows.columns()
-                for i, categories in zip(categorical, table.parts[1:], strict=True):
-                    coded[i].append((columns[i].copy(), categories))
-                yield [_cast(columns[i], types[i]) for i in plain]
+                for i, categories, dtype in zip(
+                    categorical, table.parts[1:], table.category_dtypes, strict=True
+                ):
+                    coded[i].append((columns[i].copy(), categories, dtype))
+                yield [_cast(columns[i], types[i], labels[i]) for i in plain]
                 del table, columns  # let the store release this piece before the next
 
         built = dict(zip(plain, assemble_columns(pieces(), nrows, _PLC_COLUMNS) or [], strict=True))
@@ -396,47 +450,70 @@ class _PlcColumns:
 _PLC_COLUMNS = _PlcColumns()
 
 
-def _cast(column: plc.Column, type: plc.DataType) -> plc.Column:
-    """``column`` as meta's type (dask's meta is often loose: int data, float meta)."""
+def _cast(column: plc.Column, type: plc.DataType, label: Any) -> plc.Column:
+    """``column`` as meta's type, where that keeps every value (dask's meta is
+    often loose: int data, float meta).
+
+    Where it would not (float data where meta says int: NaN and fractions
+    have no integer), the pandas backend keeps the data's type, as p2p does;
+    an output column here is allocated once in meta's type, so the shuffle
+    fails instead, naming the column, rather than losing values.
+    """
     if column.type() == type or not plc.traits.is_fixed_width(type):
         return column
+    source = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(column.type().id())
+    target = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(type.id())
+    if source is not None and target is not None and not np.can_cast(source, target, "safe"):
+        raise ShuffleInputError(
+            f"gpushuffle: column {label!r} arrived as {source} where the collection's meta "
+            f"says {target}, and the cast would lose values (NaN or fractions into "
+            "integers, or a narrower type). Fix the meta (`map_partitions(..., meta=...)`) "
+            "or cast the data (`astype`) before shuffling."
+        )
     return plc.unary.cast(column, type)
 
 
 def _categorical(
-    pieces: list[tuple[plc.Column, plc.Table]], meta_dtype: Any, known: Any
+    pieces: list[tuple[plc.Column, plc.Table, Any]], meta_dtype: Any, known: Any
 ) -> ColumnBase:
-    """Codes over the union of the pieces' categories (then meta's, if known)."""
+    """Codes over the union of the pieces' categories (then meta's, if known).
+
+    The categories are rebuilt with the dtype they had in their input
+    partition (``ColumnBase.create``, cuDF's factory for a pylibcudf column
+    of a known dtype), never inferred from pylibcudf's type.
+    """
     columns = []
-    for piece_codes, piece_categories in pieces:
-        assert piece_categories is not None
+    for piece_codes, piece_categories, categories_dtype in pieces:
         piece_dtype = cudf.CategoricalDtype(
-            categories=ColumnBase.from_pylibcudf(piece_categories.columns()[0]),
+            categories=ColumnBase.create(piece_categories.columns()[0], categories_dtype),
             ordered=meta_dtype.ordered,
         )
         columns.append(ColumnBase.create(piece_codes, piece_dtype))
-    non_empty = [c.categories.to_pylibcudf() for c in columns if len(c.categories)]
-    if non_empty:
-        union = plc.stream_compaction.stable_distinct(
-            plc.Table([plc.concatenate.concatenate(non_empty)]),
-            [0],
-            plc.stream_compaction.DuplicateKeepOption.KEEP_FIRST,
-            plc.types.NullEquality.EQUAL,
-            plc.types.NanEquality.ALL_EQUAL,
-        )
-        categories = ColumnBase.from_pylibcudf(union.columns()[0])
+    present = [c.categories for c in columns if len(c.categories)]
+    if present:
+        with access_columns(*present, mode="read", scope="internal") as held:
+            union = plc.stream_compaction.stable_distinct(
+                plc.Table([plc.concatenate.concatenate([c.plc_column for c in held])]),
+                [0],
+                plc.stream_compaction.DuplicateKeepOption.KEEP_FIRST,
+                plc.types.NullEquality.EQUAL,
+                plc.types.NanEquality.ALL_EQUAL,
+            )
+        categories = ColumnBase.create(union.columns()[0], present[0].dtype)
     else:
         categories = columns[0].categories
     dtype = cudf.CategoricalDtype(categories=categories, ordered=meta_dtype.ordered)
     codes_type = dtype_to_pylibcudf_type(dtype)
-    codes = []
-    for column in columns:
-        remapped = column._set_categories(categories, is_unique=True)
-        code_column = remapped.plc_column
-        if code_column.type() != codes_type:
-            code_column = plc.unary.cast(code_column, codes_type)
-        codes.append(code_column)
-    whole = codes[0] if len(codes) == 1 else plc.concatenate.concatenate(codes)
+    remapped = [column._set_categories(categories, is_unique=True) for column in columns]
+    with access_columns(*remapped, mode="read", scope="internal") as held:
+        codes = [
+            c.plc_column
+            if c.plc_column.type() == codes_type
+            else plc.unary.cast(c.plc_column, codes_type)
+            for c in held
+        ]
+        # A column of its own, not a view of the last piece's buffers.
+        whole = codes[0].copy() if len(codes) == 1 else plc.concatenate.concatenate(codes)
     out = ColumnBase.create(whole, dtype)
     if known is not None and bool(
         cudf.Index._from_column(categories).isin(cudf.Index._from_column(known)).all()
@@ -444,6 +521,27 @@ def _categorical(
         # meta's categories cover every value: the output gets meta's dtype.
         out = out._set_categories(known, is_unique=True, ordered=bool(meta_dtype.ordered))
     return out
+
+
+def _host_int64(column: plc.Column) -> np.ndarray:
+    """A small integer column as a host int64 array (cudf's Frame.searchsorted:
+    ``ColumnBase.create(plc.unary.cast(col, INT64), int64).values``, then
+    cupy's ``get``)."""
+    as_int64 = plc.unary.cast(column, plc.DataType(plc.TypeId.INT64))
+    return ColumnBase.create(as_int64, np.dtype("int64")).values.get()
+
+
+def _gather_rows(
+    columns: list[plc.Column], order: plc.Column, start: int, stop: int
+) -> tuple[plc.Table, int]:
+    """Rows ``order[start:stop]`` of ``columns``, in buffers of their own."""
+    if not columns:
+        return plc.Table([]), 0
+    positions = plc.copying.slice(order, [start, stop])[0]
+    rows = plc.copying.gather(
+        plc.Table(columns), positions, plc.copying.OutOfBoundsPolicy.DONT_CHECK
+    )
+    return rows, sum(int(c.device_buffer_size()) for c in rows.columns())
 
 
 def _staging_bytes(nbytes: int) -> int:

@@ -70,8 +70,12 @@ def join_transfer(
     """Transfer one input partition of one side of a join."""
     ids = partition_ids(input, on, npartitions, index_merge)
     # The smallest integer type that holds the ids: less to reorder by.
+    # ``ids`` is a numpy array (pandas keys), or a Series of the input's kind
+    # with its index (dask's partitioning_index): assigned as dask's p2p join
+    # assigns it (dask-expr's assign_index_merge_transfer), so a cuDF
+    # partition's ids stay on the device.
     dtype = np.min_scalar_type(max(npartitions - 1, 0))
-    frame = input.assign(**{PARTITION_COLUMN: np.asarray(ids).astype(dtype, copy=False)})
+    frame = input.assign(**{PARTITION_COLUMN: ids.astype(dtype)})
     return transfer(frame, id, input_partition)
 
 

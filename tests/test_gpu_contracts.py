@@ -1,0 +1,52 @@
+"""What the GPU path reads from RAPIDS objects, checked where it can be on a CPU.
+
+Each test builds the object the GPU path meets from the real class where it
+installs here, or from the same pieces the real class is made of (labelled
+as such), following the RAPIDS 26.10 source it names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import zict
+
+from gpushuffle import config
+from gpushuffle.engine.join import PARTITION_COLUMN, join_transfer
+
+
+class _DeviceHostFileLike:
+    """TEST DOUBLE: the attributes dask-cuda 26.10's ``DeviceHostFile`` sets
+    (dask_cuda/device_host_file.py, ``__init__``): ``device_buffer`` is a
+    ``zict.Buffer`` over a dict with the device limit as its threshold, or
+    the plain dict where no limit was given.  The real class needs dask-cuda,
+    which CI's environment does not install."""
+
+    def __init__(self, device_memory_limit: int | None) -> None:
+        self.device_func: dict = {}
+        if device_memory_limit is None:
+            self.device_buffer = self.device_func
+        else:
+            self.device_buffer = zict.Buffer(self.device_func, {}, device_memory_limit)
+
+
+def test_the_device_limit_is_read_where_dask_cuda_keeps_it():
+    assert config._device_buffer_limit(_DeviceHostFileLike(3 << 30)) == 3 << 30
+    assert config._device_buffer_limit(_DeviceHostFileLike(None)) is None
+    assert config._device_buffer_limit({}) is None  # distributed's own data
+
+
+def test_join_ids_are_assigned_by_index_as_dask_does(monkeypatch):
+    """The ids of non-plain keys come back as a Series (cuDF's stays on the
+    device); they are assigned as dask's p2p join assigns them, which keeps
+    rows with repeated index labels in place."""
+    import gpushuffle.engine.join as join
+
+    seen = {}
+    monkeypatch.setattr(join, "transfer", lambda frame, id, i: seen.setdefault("frame", frame))
+    frame = pd.DataFrame({"k": [5, 1, 5, 2], "v": [1, 2, 3, 4]}, index=[7, 7, 3, 3])
+    join_transfer(frame, "k", 8, "id", 0, index_merge=True)
+    ids = seen["frame"][PARTITION_COLUMN]
+    expected = join.partition_ids(frame, "k", 8, True)
+    np.testing.assert_array_equal(ids.to_numpy(), np.asarray(expected))
+    assert ids.dtype == np.uint8

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Type-check the cuDF backend against the real pylibcudf / cudf / rmm stubs.
-# cudf, pylibcudf and rmm install without a GPU (about 5 GB), so a wrong
-# function name or argument is caught on any machine.
+# Type-check the package against the real pylibcudf / cudf / rmm stubs, with
+# strict stubs of our own for cupy (ci/stubs: cupy ships no types).  cudf,
+# pylibcudf and rmm install without a GPU (about 5 GB), so a wrong function
+# name or argument is caught on any machine.  Then ci/typecheck_gpu_canary.py,
+# which holds a defect the cuDF path once had, must be rejected: a check that
+# accepts it would accept the defect again.
 #   --optional: if the GPU extra cannot be installed (no network, no disk),
 #   say so and exit 0; a type error still fails.
 set -uo pipefail
@@ -16,5 +19,13 @@ if ! { [ -x .venv-gpu/bin/python ] || python3.11 -m venv .venv-gpu; } ||
     fi
     exit 1
 fi
-.venv-gpu/bin/mypy --python-executable .venv-gpu/bin/python --no-incremental \
-    gpushuffle/backends/cudf.py
+export MYPYPATH=ci/stubs
+mypy=(.venv-gpu/bin/mypy --python-executable .venv-gpu/bin/python --no-incremental)
+"${mypy[@]}" gpushuffle/backends/cudf.py gpushuffle/engine/join.py || exit 1
+out=$("${mypy[@]}" ci/typecheck_gpu_canary.py 2>&1)
+if ! grep -q 'Argument 1 to "asarray" has incompatible type "Column"' <<<"$out"; then
+    echo "typecheck_gpu: the canary's cupy.asarray(pylibcudf Column) was not rejected:" >&2
+    echo "$out" >&2
+    exit 1
+fi
+echo "typecheck_gpu: the canary's defect is rejected, as it must be"

@@ -50,3 +50,31 @@ def test_join_ids_are_assigned_by_index_as_dask_does(monkeypatch):
     expected = join.partition_ids(frame, "k", 8, True)
     np.testing.assert_array_equal(ids.to_numpy(), np.asarray(expected))
     assert ids.dtype == np.uint8
+
+
+class _DeviceSeries(pd.Series):
+    """TEST DOUBLE: a Series that, like a cudf Series, refuses to become a host
+    array implicitly (cudf 26.10's ``Series.__array__`` raises TypeError:
+    "Implicit conversion to a host NumPy array via __array__ is not
+    allowed").  numpy's stubs take any object, so the type checker cannot
+    catch ``np.asarray`` of a cudf Series; this test does."""
+
+    @property
+    def _constructor(self):
+        return _DeviceSeries
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("Implicit conversion to a host NumPy array via __array__ is not allowed")
+
+
+def test_join_ids_of_a_device_frame_never_pass_through_host_memory(monkeypatch):
+    import gpushuffle.engine.join as join
+
+    seen = {}
+    monkeypatch.setattr(join, "transfer", lambda frame, id, i: seen.setdefault("frame", frame))
+    frame = pd.DataFrame({"k": [5, 1, 5, 2], "v": [1, 2, 3, 4]})
+    ids = _DeviceSeries([3, 0, 3, 1], index=frame.index)
+    monkeypatch.setattr(join, "partition_ids", lambda *args: ids)
+    join_transfer(frame, "k", 8, "id", 0, index_merge=False)
+    assigned = seen["frame"][PARTITION_COLUMN]
+    assert assigned.dtype == np.uint8 and assigned.tolist() == [3, 0, 3, 1]

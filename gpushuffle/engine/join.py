@@ -13,7 +13,7 @@ leaves.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,7 +32,17 @@ from gpushuffle.engine.tasks import _phase_errors, get_output, transfer
 PARTITION_COLUMN = "__hash_partition"
 
 
-def partition_ids(df: Any, on: Any, npartitions: int, index_merge: bool) -> Any:
+class IdSeries(Protocol):
+    """The partition ids of dask's ``partitioning_index``: a Series of the
+    input's kind (pandas or cuDF) with its index.  No ``__array__`` here on
+    purpose: cuDF refuses implicit device -> host conversion
+    (``np.asarray`` of a cudf Series raises), so the type checker rejects
+    handing one to numpy."""
+
+    def astype(self, dtype: Any) -> Any: ...
+
+
+def partition_ids(df: Any, on: Any, npartitions: int, index_merge: bool) -> np.ndarray | IdSeries:
     """Each row's output partition, exactly as dask's p2p hash join computes it.
 
     Numeric keys are cast to float64 first (so an int key on one side and a

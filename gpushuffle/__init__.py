@@ -17,6 +17,7 @@ from gpushuffle.errors import (
     ShuffleDiskFullError,
     ShuffleInputError,
     ShuffleMemoryError,
+    ShuffleOutputTooLargeError,
     ShuffleSchedulerError,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "ShuffleDiskFullError",
     "ShuffleInputError",
     "ShuffleMemoryError",
+    "ShuffleOutputTooLargeError",
     "ShuffleSchedulerError",
     "__version__",
     "shuffle",

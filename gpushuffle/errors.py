@@ -29,6 +29,10 @@ class ShuffleMemoryError(MemoryError):
     """Received shards do not fit the memory budget and cannot move to disk."""
 
 
+class ShuffleOutputTooLargeError(ShuffleMemoryError):
+    """An output partition is too large for the worker that must build it."""
+
+
 class ShuffleDiskFullError(OSError):
     """The disk holding spilled shards is full."""
 

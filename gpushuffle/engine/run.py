@@ -27,6 +27,7 @@ from gpushuffle import config, samehost
 from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.memory import DEVICE, worker_memory
+from gpushuffle.engine.outputs import check_outputs_fit
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
@@ -259,6 +260,26 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 self._exception = e
                 raise
             await super().inputs_done()
+        # Every shard is in: each output partition's size is known here.
+        self._check_outputs_fit()
+
+    def _check_outputs_fit(self) -> None:
+        """Fail the shuffle at the barrier, with the reason, where an output
+        partition cannot be built on this worker (engine/outputs.py)."""
+        if self.backend.tier == DEVICE:
+            limit = config.device_spill_limit() or config.device_memory_total() or 0
+            memory = "this worker's device memory"
+        else:
+            limit = config.worker_memory_limit()
+            memory = "this worker's memory limit"
+        check_outputs_fit(
+            self.store.partition_sizes(),
+            limit,
+            fail_at=float(config.get("memory.output-fail")),
+            warn_at=float(config.get("memory.output-warn")),
+            where=f"{self.id} on {self.local_address}",
+            memory=memory,
+        )
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.

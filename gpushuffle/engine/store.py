@@ -50,6 +50,7 @@ from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.backends import TableBackend
 from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
+from gpushuffle.engine.outputs import OutputSize
 from gpushuffle.engine.pool import host_pool, malloc_trim
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
@@ -459,6 +460,14 @@ class ShardStore:
             malloc_trim()
         return True
 
+    def partition_sizes(self) -> dict[int, OutputSize]:
+        """Rows and bytes held for each output partition not yet read."""
+        with self._lock:
+            return {
+                partition: OutputSize(sum(p.nrows for p in pieces), sum(p.nbytes for p in pieces))
+                for partition, pieces in self._pieces.items()
+            }
+
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.
 
@@ -498,7 +507,10 @@ class ShardStore:
                 piece.table = None
                 yield table
                 del table
+                disk = piece.disk
                 self._consumed(piece)
+                if disk is not None and mapping is not None:
+                    _drop_pages(mapping, disk.offset, sum(disk.lengths))
         finally:
             for piece in pieces:
                 if piece.reading:
@@ -607,6 +619,25 @@ def _map(path: str) -> mmap.mmap:
     """
     with open(path, "rb") as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def _drop_pages(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """Let go of the mapped pages of a piece the unpack has copied.
+
+    Pages of a file mapping that were read count in the worker's RSS (what
+    distributed's memory monitor watches) until they are unmapped, so a
+    partition read whole from its spill file would count twice: once in its
+    output, once in the mapping.  ``MADV_DONTNEED`` drops them; the mapping
+    is private and never written, so a later access (a view still held, the
+    next piece's first page) reads the same bytes from the file again.
+    """
+    advise = getattr(mapping, "madvise", None)
+    if advise is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = offset - offset % mmap.PAGESIZE
+    stop = (offset + length) - (offset + length) % mmap.PAGESIZE
+    if stop > start:
+        advise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 def _gib(nbytes: int | None) -> str:

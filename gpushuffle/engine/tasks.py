@@ -32,6 +32,7 @@ from gpushuffle.errors import (
     ShuffleDiskFullError,
     ShuffleInputError,
     ShuffleMemoryError,
+    ShuffleOutputTooLargeError,
     ShuffleSchedulerError,
 )
 
@@ -143,7 +144,13 @@ def barrier(id: ShuffleId, *run_ids: int) -> int:
 
 
 _PEER_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (ShuffleCommError, ShuffleMemoryError, ShuffleInputError)
+    cls.__name__: cls
+    for cls in (
+        ShuffleCommError,
+        ShuffleMemoryError,
+        ShuffleOutputTooLargeError,
+        ShuffleInputError,
+    )
 }
 
 

@@ -25,7 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpushuffle"
 TABLE = ROOT / "docs" / "gpu-calls.md"
 
-RAPIDS = ("pylibcudf", "cudf", "cupy", "rmm", "dask_cudf", "dask_cuda", "distributed.diagnostics.nvml")
+RAPIDS = (
+    "pylibcudf",
+    "cudf",
+    "cupy",
+    "rmm",
+    "dask_cudf",
+    "dask_cuda",
+    "distributed.diagnostics.nvml",
+)
 
 
 def _is_rapids(module: str) -> bool:

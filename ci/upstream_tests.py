@@ -68,8 +68,10 @@ KNOWN: dict[str, str] = {
     ),
     **{
         f"dask_expr_test_distributed::test_respect_context_shuffle[{func}]": (
-            "looks for p2p's expression class (P2PShuffle); the same check for "
-            "gpushuffle's: tests/test_dask_semantics.py::"
+            "expects the method in effect where the frame is built to be tasks (that test "
+            "has no client) and then looks for p2p's expression class; here gpushuffle is "
+            "the default, so both are gpushuffle's. The same check for gpushuffle: "
+            "tests/test_dask_semantics.py::"
             "test_the_method_in_effect_when_a_frame_is_built_is_kept"
         )
         for func in ("set_index", "sort_values", "shuffle")
@@ -268,6 +270,8 @@ def main() -> int:
     results: dict[str, str] = {}
     for session, files in copy_tests(dask_root, workdir, args.method).items():
         results.update(outcomes(run(workdir, session, files, args.method, extra)))
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     failed = sorted(t for t, o in results.items() if o == "failed")
     passed = sum(o == "passed" for o in results.values())
     unexpected = [t for t in failed if t not in KNOWN]

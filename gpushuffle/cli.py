@@ -370,7 +370,10 @@ def demo(rows: int, partitions: int, workers: int) -> None:
                 f"using {plan.gpus} (one per visible GPU)"
             )
         cluster_cm: Any = LocalCUDACluster(
-            n_workers=min(workers, plan.gpus), dashboard_address=":0", **rmm_options("pool")
+            n_workers=min(workers, plan.gpus),
+            dashboard_address=":0",
+            preload=embedded_worker_preloads(),  # as the CPU branch and job.py do
+            **rmm_options("pool"),
         )
     else:
         cluster_cm = LocalCluster(

@@ -300,7 +300,7 @@ def test_column_projections_reach_the_inputs_of_a_gpushuffle_join():
 
 
 @pytest.mark.parametrize("func", ["set_index", "sort_values", "shuffle"])
-def test_the_method_in_effect_when_a_frame_is_built_is_kept(func):
+def test_the_method_in_effect_when_a_frame_is_built_is_kept(client, func):
     """dask's test_respect_context_shuffle, for gpushuffle's expression."""
     from gpushuffle.api import GPUShuffle
 

@@ -78,3 +78,20 @@ def test_join_ids_of_a_device_frame_never_pass_through_host_memory(monkeypatch):
     join_transfer(frame, "k", 8, "id", 0, index_merge=False)
     assigned = seen["frame"][PARTITION_COLUMN]
     assert assigned.dtype == np.uint8 and assigned.tolist() == [3, 0, 3, 1]
+
+
+def test_every_rapids_call_has_a_row_of_upstream_evidence():
+    """docs/gpu-calls.md holds, per RAPIDS call in the package, the upstream
+    code or test that makes the same call with the same types
+    (ci/gpu_calls.py finds the calls)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "ci" / "gpu_calls.py"
+    spec = importlib.util.spec_from_file_location("gpu_calls", path)
+    assert spec is not None and spec.loader is not None
+    gpu_calls = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_calls)
+    calls = gpu_calls.rapids_calls()
+    assert "plc.copying.gather" in calls and "ColumnBase.create" in calls  # it finds them
+    assert gpu_calls.missing() == {}, "add a row to docs/gpu-calls.md for each"

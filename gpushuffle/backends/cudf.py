@@ -461,16 +461,46 @@ def _cast(column: plc.Column, type: plc.DataType, label: Any) -> plc.Column:
     """
     if column.type() == type or not plc.traits.is_fixed_width(type):
         return column
-    source = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(column.type().id())
-    target = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(type.id())
-    if source is not None and target is not None and not np.can_cast(source, target, "safe"):
+    if not _keeps_values(column.type(), type):
         raise ShuffleInputError(
-            f"gpushuffle: column {label!r} arrived as {source} where the collection's meta "
-            f"says {target}, and the cast would lose values (NaN or fractions into "
-            "integers, or a narrower type). Fix the meta (`map_partitions(..., meta=...)`) "
-            "or cast the data (`astype`) before shuffling."
+            f"gpushuffle: column {label!r} arrived as {_type_name(column.type())} where the "
+            f"collection's meta says {_type_name(type)}, and the cast would lose values "
+            "(NaN or fractions into integers, fewer decimal places, or a narrower type). "
+            "Fix the meta (`map_partitions(..., meta=...)`) or cast the data (`astype`) "
+            "before shuffling."
         )
     return plc.unary.cast(column, type)
+
+
+_DECIMALS = {
+    plc.TypeId.DECIMAL32: 32,
+    plc.TypeId.DECIMAL64: 64,
+    plc.TypeId.DECIMAL128: 128,
+}
+
+
+def _keeps_values(source: plc.DataType, target: plc.DataType) -> bool:
+    """Whether every value of ``source`` has one in ``target``: numpy's safe
+    casts; decimals only to the same scale in storage as wide or wider
+    (libcudf truncates to fewer decimal places, and more of them leave fewer
+    digits before the point); nothing else between decimals and other types."""
+    if source.id() in _DECIMALS or target.id() in _DECIMALS:
+        return (
+            source.id() in _DECIMALS
+            and target.id() in _DECIMALS
+            and source.scale() == target.scale()
+            and _DECIMALS[target.id()] >= _DECIMALS[source.id()]
+        )
+    before = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(source.id())
+    after = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(target.id())
+    return before is not None and after is not None and bool(np.can_cast(before, after, "safe"))
+
+
+def _type_name(type: plc.DataType) -> str:
+    numpy_type = PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES.get(type.id())
+    if numpy_type is not None:
+        return str(numpy_type)
+    return f"{type.id().name} (scale {type.scale()})" if type.id() in _DECIMALS else type.id().name
 
 
 def _categorical(
@@ -562,7 +592,8 @@ def _pack_on_device(part: plc.Table) -> tuple[bytes, Any]:
     if not part.num_columns():
         return b"", np.empty(0, np.uint8)
     if not part.num_rows():
-        # pack() of a table without rows has no device data to release.
+        # Rows of none: the host path's metadata and an empty host frame,
+        # rather than a device buffer of nothing to send.
         return _pack_to_host(part, 0)
     metadata, device = plc.contiguous_split.pack(part).release()
     return bytes(metadata), device

@@ -54,6 +54,8 @@ class WorkerMemory:
     #: Whether the device budget was read; only runs of device backends ask,
     #: so CPU workers never touch a GPU (a CUDA context costs device memory).
     device_known: bool = False
+    #: The device memory this worker may use (read with the device budget).
+    device_share: int | None = None
     moves: dict[tuple[str, str], Movement] = field(default_factory=dict)
     runs_started: int = 0
     #: Groups of shards moved to disk because distributed paused the worker
@@ -139,18 +141,29 @@ def worker_memory(device_sharers: int | None = None) -> WorkerMemory:
         if _MEMORY is None:
             _MEMORY = _from_config()
         if device_sharers is not None and not _MEMORY.device_known:
-            _MEMORY.device.limit = _device_limit(device_sharers)
+            _MEMORY.device_share = _device_share(device_sharers)
+            _MEMORY.device.limit = _device_limit(_MEMORY.device_share)
             _MEMORY.device_known = True
         return _MEMORY
 
 
-def _device_limit(sharers: int) -> int | None:
-    """``gpushuffle.memory.device-limit`` in bytes for this worker.
+def _device_share(sharers: int) -> int | None:
+    """The device memory this worker may use: dask-cuda's device memory limit
+    where the worker has one (else the device's memory), divided among the
+    workers that share the GPU; None without a usable device."""
+    from gpushuffle import config
 
-    A fraction applies to dask-cuda's device memory limit where the worker
-    has one (else to the device's memory), divided among the workers that
-    share the GPU; bytes are taken as given.
-    """
+    total = config.device_memory_total()
+    if total is None:
+        return None
+    spill = config.device_spill_limit()
+    base = min(total, spill) if spill else total
+    return base // max(1, sharers)
+
+
+def _device_limit(share: int | None) -> int | None:
+    """``gpushuffle.memory.device-limit`` in bytes for this worker: a fraction
+    of its device ``share``, or bytes as given."""
     from gpushuffle import config
 
     limit = config.get("memory.device-limit")
@@ -158,12 +171,9 @@ def _device_limit(sharers: int) -> int | None:
         return None
     if not (isinstance(limit, float) and 0 <= limit <= 1):
         return config.parse_budget(limit, None, "memory.device-limit")
-    total = config.device_memory_total()
-    if total is None:
+    if share is None:
         return None  # no usable device: nothing is charged there
-    spill = config.device_spill_limit()
-    base = min(total, spill) if spill else total
-    return config.parse_budget(limit, base // max(1, sharers), "memory.device-limit")
+    return config.parse_budget(limit, share, "memory.device-limit")
 
 
 def reset_worker_memory() -> None:

@@ -267,8 +267,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         """Fail the shuffle at the barrier, with the reason, where an output
         partition cannot be built on this worker (engine/outputs.py)."""
         if self.backend.tier == DEVICE:
-            limit = config.device_spill_limit() or config.device_memory_total() or 0
-            memory = "this worker's device memory"
+            limit = worker_memory().device_share or 0
+            memory = "this worker's share of device memory"
         else:
             limit = config.worker_memory_limit()
             memory = "this worker's memory limit"

@@ -49,6 +49,13 @@ class Result:
     #: Bytes gpushuffle's stages copied in this run, summed over workers, by
     #: stage (:mod:`gpushuffle.engine.copies`); empty for other methods.
     copied_bytes: dict[str, int] = field(default_factory=dict)
+    #: Workers restarted during the run (a Nanny's worker killed for its memory).
+    restarts: int = 0
+    #: Why the run failed (``KilledWorker``, a gpushuffle error); None if it ran.
+    error: str | None = None
+    #: A digest of each output partition's rows, key sum and first column's
+    #: sum: equal between methods that put the same rows in each partition.
+    partition_digest: str | None = None
     #: Each worker's RSS over the run: ``(seconds since the run started, bytes)``.
     #: Not written to JSON.
     rss_timelines: dict[str, list[tuple[float, int]]] = field(
@@ -69,7 +76,7 @@ class Result:
 
     @property
     def gib_per_s(self) -> float:
-        return self.input_bytes / 2**30 / self.wall_s
+        return self.input_bytes / 2**30 / self.wall_s if self.error is None else float("nan")
 
     @property
     def copies_per_byte(self) -> float | None:
@@ -94,7 +101,7 @@ DTYPES = ("numeric", "mixed")
 
 
 def make_partition(
-    i: int, rows: int, ncols: int, nkeys: int, dtypes: str = "numeric"
+    i: int, rows: int, ncols: int, nkeys: int, dtypes: str = "numeric", skew: float = 0.0
 ) -> pd.DataFrame:
     """One input partition: an int64 ``key`` and ``ncols - 1`` more columns.
 
@@ -102,10 +109,12 @@ def make_partition(
     hold, in turn (:data:`MIXED_KINDS`): strings of 4 to 40 characters in
     pandas' default string dtype, categoricals, naive and tz-aware
     timestamps, nullable Int64 and boolean with 10% missing, floats with 10%
-    NaN, int64.
+    NaN, int64.  ``skew``: the share of rows whose key is 0 (a hot key).
     """
     rng = np.random.default_rng(i)
     data: dict[str, Any] = {"key": rng.integers(0, nkeys, rows)}
+    if skew:
+        data["key"][rng.random(rows) < skew] = 0
     for c in range(1, ncols):
         if dtypes == "numeric":
             data[f"c{c}"] = rng.integers(0, 2**40, rows) if c % 2 else rng.random(rows)
@@ -141,7 +150,9 @@ def benchmark_cluster(
         yield cluster
 
 
-def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric") -> Any:
+def generated_frame(
+    rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric", skew: float = 0.0
+) -> Any:
     """The benchmarks' input, not yet computed: ``rows`` rows of
     :func:`make_partition` in ``partitions`` partitions of equal size (the
     last ones smaller where ``rows`` does not divide evenly)."""
@@ -155,6 +166,7 @@ def generated_frame(rows: int, partitions: int, columns: int = 16, dtypes: str =
         [columns] * partitions,
         [rows] * partitions,
         [dtypes] * partitions,
+        [skew] * partitions,
         meta=make_partition(0, 0, columns, rows, dtypes),
         enforce_metadata=False,
     )
@@ -168,7 +180,12 @@ def _partition_rows(rows: int, partitions: int) -> list[int]:
 
 
 def persisted_evenly(
-    client: Any, rows: int, partitions: int, columns: int = 16, dtypes: str = "numeric"
+    client: Any,
+    rows: int,
+    partitions: int,
+    columns: int = 16,
+    dtypes: str = "numeric",
+    skew: float = 0.0,
 ) -> Any:
     """:func:`generated_frame`, persisted with partition ``i`` on the
     ``i % n``-th of the client's ``n`` workers (by address).
@@ -193,6 +210,7 @@ def persisted_evenly(
             columns=columns,
             nkeys=rows,
             dtypes=dtypes,
+            skew=skew,
             like=dict(meta.dtypes),
             workers=[worker],
             # a preference: a worker lost meanwhile leaves none waiting
@@ -206,12 +224,18 @@ def persisted_evenly(
 
 
 def _partition_as(
-    i: int, rows: int, columns: int, nkeys: int, dtypes: str, like: dict[str, Any]
+    i: int,
+    rows: int,
+    columns: int,
+    nkeys: int,
+    dtypes: str,
+    like: dict[str, Any],
+    skew: float = 0.0,
 ) -> pd.DataFrame:
     """:func:`make_partition` with the dtypes dask gives the lazy frame
     (pandas' "str" columns become dask's Arrow strings, as in
     :func:`generated_frame`)."""
-    part = make_partition(i, rows, columns, nkeys, dtypes)
+    part = make_partition(i, rows, columns, nkeys, dtypes, skew)
     changed = {c: d for c, d in like.items() if part.dtypes[c] != d}
     return part.astype(changed) if changed else part
 
@@ -306,9 +330,12 @@ def _start_sampler(
     thread.start()
 
 
-def _stop_sampler(name: str = "bench") -> dict[str, Any]:
-    """Stop the sampler; its peak RSS, ``(unix time, RSS)`` samples and breakdowns."""
-    state = _SAMPLERS.pop(name)
+def _stop_sampler(name: str = "bench") -> dict[str, Any] | None:
+    """Stop the sampler; its peak RSS, ``(unix time, RSS)`` samples and
+    breakdowns (None on a worker that started after it: a restarted one)."""
+    state = _SAMPLERS.pop(name, None)
+    if state is None:
+        return None
     state["stop"].set()
     state["thread"].join()
     rss = state["process"].memory_info().rss
@@ -320,6 +347,29 @@ def _stop_sampler(name: str = "bench") -> dict[str, Any]:
         "timeline": state["timeline"],
         "breakdown": state["breakdown"],
     }
+
+
+def _output_summary(part: pd.DataFrame) -> pd.DataFrame:
+    """One row per output partition: its rows and a sum of each plain numeric
+    column's bits (floats as their int64 bit patterns), which wraps exactly
+    and does not depend on the rows' order; cheap enough beside a large
+    output (no per-row hashes)."""
+    sums = {"rows": [len(part)]}
+    for name in part.columns:
+        values = part[name]
+        if isinstance(values.dtype, np.dtype) and values.dtype.kind in "iuf":
+            data = np.ascontiguousarray(values.to_numpy())
+            bits = data.view(np.int64) if data.dtype.itemsize == 8 else data.astype(np.int64)
+            sums[f"sum_{name}"] = [int(bits.sum(dtype=np.int64))]
+    return pd.DataFrame(sums)
+
+
+def _digest(summary: pd.DataFrame) -> str:
+    import hashlib
+
+    return hashlib.sha1(
+        pd.util.hash_pandas_object(summary.reset_index(drop=True)).to_numpy().tobytes()
+    ).hexdigest()[:16]
 
 
 def _collect(release_pool: bool) -> None:
@@ -389,18 +439,30 @@ def run_benchmark(
     settle: float = 0.0,
     on_result: Any = None,
     dtypes: str = "numeric",
+    skew: float = 0.0,
+    worker_memory: str | None = None,
 ) -> tuple[list[Result], dict[str, Any]]:
     """Run each method ``repeat`` times on one cluster; return results and context.
 
     With ``settle``, workers keep being sampled for that many seconds after
     each run, and their RSS then is recorded (what a run left behind).
+    ``skew`` puts that share of the rows on one key.  ``worker_memory`` gives
+    each worker that memory limit, as distributed enforces it (a worker over
+    it is restarted by its Nanny), and the input is generated in the
+    transfer tasks instead of persisted first, so that it can be larger than
+    the cluster: each run counts the restarts it caused, and one that fails
+    is recorded with its error.
     """
     import dask
     from distributed import Client, wait
 
     import gpushuffle  # noqa: F401  (registers the method)
 
-    settings: dict[str, Any] = {"distributed.worker.memory.terminate": False}
+    # Benchmarks of persisted inputs measure what each method needs: no
+    # worker is killed for it.  With worker_memory, the limit is the point.
+    settings: dict[str, Any] = (
+        {} if worker_memory else {"distributed.worker.memory.terminate": False}
+    )
     if memory_limit is not None:
         # The store's budget on each worker (the Nanny hands the worker this
         # configuration); p2p keeps its own fixed buffers.
@@ -409,11 +471,20 @@ def run_benchmark(
     results: list[Result] = []
     with (
         dask.config.set(settings),
-        benchmark_cluster(workers, threads, quiet=False, protocol=protocol) as cluster,
+        benchmark_cluster(
+            workers,
+            threads,
+            quiet=False,
+            protocol=protocol,
+            **({"memory_limit": worker_memory} if worker_memory else {}),
+        ) as cluster,
         Client(cluster) as client,
     ):
-        df = persisted_evenly(client, rows, partitions, columns, dtypes)
-        wait(df)
+        if worker_memory:
+            df = generated_frame(rows, partitions, columns, dtypes, skew)
+        else:
+            df = persisted_evenly(client, rows, partitions, columns, dtypes, skew)
+            wait(df)
         input_bytes = int(df.memory_usage(deep=True, index=True).sum().compute())
         context = {
             "rows": rows,
@@ -423,6 +494,8 @@ def run_benchmark(
             "workers": workers,
             "threads_per_worker": threads,
             "protocol": protocol,
+            "skew": skew,
+            "worker_memory": worker_memory,
             "input_bytes": input_bytes,
             "machine": machine_description(),
             "versions": versions(),
@@ -434,19 +507,36 @@ def run_benchmark(
                 spilled_before = _spilled(client)
                 copied_before = _copied_total(client)
                 client.run(_start_sampler, breakdown=True)
+                before = set(client.scheduler_info(n_workers=-1)["workers"])
                 start_time = time.time()
                 start = time.perf_counter()
-                lengths = df.shuffle(on="key", shuffle_method=method).map_partitions(len).compute()
+                error = None
+                outputs = df.shuffle(on="key", shuffle_method=method).map_partitions(
+                    _output_summary, meta=_output_summary(df._meta)
+                )
+                try:
+                    summary = outputs.compute()
+                except Exception as e:  # a failed run is a result too
+                    summary, error = None, f"{type(e).__name__}: {e}"[:500]
                 wall = time.perf_counter() - start
+                if worker_memory:
+                    client.wait_for_workers(workers, timeout=300)
+                restarts = len(set(client.scheduler_info(n_workers=-1)["workers"]) - before)
                 if settle:
                     _wait_until_released(client, baseline_tasks)
                     time.sleep(max(0.0, settle - (time.perf_counter() - start - wall)))
-                samples = client.run(_stop_sampler)
+                # A restarted worker's sampler went with it.
+                samples = {w: s for w, s in client.run(_stop_sampler).items() if s is not None}
                 copied = {
                     stage: value - copied_before.get(stage, 0)
                     for stage, value in _copied_total(client).items()
                 }
                 _wait_until_released(client, baseline_tasks)
+                # Every worker restarted (each one's sampler went with it):
+                # nothing is known of this run's memory but that it was too much.
+                samples = samples or {
+                    "": {"peak": 0, "timeline": [(start_time, 0)], "breakdown": [{}]}
+                }
                 largest = max(samples, key=lambda w: samples[w]["peak"])
                 timeline = samples[largest]["timeline"]
                 at_peak = max(range(len(timeline)), key=lambda i: timeline[i][1])
@@ -455,9 +545,12 @@ def run_benchmark(
                     repeat=r,
                     wall_s=wall,
                     input_bytes=input_bytes,
-                    rows_out=int(lengths.sum()),
+                    rows_out=int(summary["rows"].sum()) if summary is not None else 0,
+                    restarts=restarts,
+                    error=error,
+                    partition_digest=_digest(summary) if summary is not None else None,
                     peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
-                    spilled_bytes=_spilled(client) - spilled_before,
+                    spilled_bytes=max(0, _spilled(client) - spilled_before),
                     copied_bytes=copied if method == "gpushuffle" else {},
                     rss_before_bytes={w: s["timeline"][0][1] for w, s in samples.items()},
                     rss_after_bytes=(
@@ -486,19 +579,40 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
     by_method: dict[str, list[Result]] = {}
     for r in results:
         by_method.setdefault(r.method, []).append(r)
-    base = statistics.median(r.wall_s for r in by_method.get("gpushuffle", results))
+
+    def median_wall(rs: Sequence[Result]) -> float:
+        ran = [r.wall_s for r in rs if r.error is None]
+        return statistics.median(ran) if ran else float("nan")
+
+    base = median_wall(by_method.get("gpushuffle", results))
+    digests = {
+        method: {r.partition_digest for r in rs if r.partition_digest}
+        for method, rs in by_method.items()
+    }
     rows = []
     for method, rs in by_method.items():
-        wall = statistics.median(r.wall_s for r in rs)
+        wall = median_wall(rs)
         rows.append(
             {
                 "method": method,
                 "runs": len(rs),
+                "failed": sum(r.error is not None for r in rs),
+                "restarts": sum(r.restarts for r in rs),
+                "errors": sorted({r.error for r in rs if r.error}),
+                # Methods whose runs all put the same rows in each partition as
+                # this one's (None if this one has no complete run).
+                "same_partitions_as": sorted(
+                    other
+                    for other, seen in digests.items()
+                    if other != method and seen and seen == digests[method]
+                )
+                if len(digests[method]) == 1
+                else None,
                 "wall_s": wall,
-                "wall_s_all": [round(r.wall_s, 2) for r in rs],
+                "wall_s_all": [round(r.wall_s, 2) if r.error is None else None for r in rs],
                 "input_bytes": rs[0].input_bytes,
                 "gib_per_s": rs[0].input_bytes / 2**30 / wall,
-                "rows_out": rs[0].rows_out,
+                "rows_out": max(r.rows_out for r in rs),
                 "peak_worker_rss_bytes": int(
                     statistics.median(r.peak_worker_rss_bytes for r in rs)
                 ),
@@ -555,10 +669,12 @@ def versions() -> dict[str, str]:
 
 def format_table(summary: Sequence[dict[str, Any]]) -> str:
     settled = any(s.get("left_behind_bytes") is not None for s in summary)
+    faults = any(s.get("failed") or s.get("restarts") for s in summary)
     header = (
         f"{'method':<12}{'runs':>5}{'wall s':>9}{'GiB/s':>8}{'rows out':>13}"
         f"{'peak RSS GiB':>14}{'spilled GiB':>13}{'x gpushuffle':>14}"
         + (f"{'left MiB':>10}" if settled else "")
+        + (f"{'failed':>8}{'restarts':>10}" if faults else "")
         + f"{'copies/B':>10}"
     )
     lines = [header, "-" * len(header)]
@@ -569,6 +685,7 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{s['rows_out']:>13,}{s['peak_worker_rss_bytes'] / 2**30:>14.2f}"
             f"{s['spilled_bytes'] / 2**30:>13.2f}{s['vs_gpushuffle']:>14.2f}"
             + (f"{(left or 0) / 2**20:>10.0f}" if settled else "")
+            + (f"{s.get('failed', 0):>8}{s.get('restarts', 0):>10}" if faults else "")
             + (
                 f"{copied:>10.2f}"
                 if (copied := s.get("copies_per_byte")) is not None

@@ -101,6 +101,23 @@ def main() -> None:
     help="gpushuffle's store budget per worker (host and device), e.g. '256MiB'.",
 )
 @click.option(
+    "--skew",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    metavar="F",
+    help="Share of the rows on one key (a hot key: a null or default value).",
+)
+@click.option(
+    "--worker-memory",
+    default=None,
+    metavar="SIZE",
+    help="Each worker's memory limit, enforced as distributed does (a worker over it is "
+    "restarted), e.g. '1.5GiB'; the input is generated inside the shuffle instead of "
+    "persisted first, so it can be larger than the cluster. Runs count restarts and "
+    "record failures.",
+)
+@click.option(
     "--settle",
     default=0.0,
     show_default=True,
@@ -129,6 +146,8 @@ def bench(
     repeat: int,
     protocol: str,
     memory_limit: str | None,
+    skew: float,
+    worker_memory: str | None,
     settle: float,
     json_path: str | None,
     debug: bool,
@@ -150,9 +169,11 @@ def bench(
             raise BadArguments(f"--plot {plot_path}: no directory {folder}")
 
     def progress(r: Result) -> None:
+        outcome = f"FAILED ({r.error})" if r.error else f"{r.rows_out:,} rows"
+        restarts = f", {r.restarts} worker restart(s)" if r.restarts else ""
         click.echo(
-            f"  {r.method:<11} run {r.repeat}: {r.wall_s:7.2f} s, "
-            f"{r.rows_out:,} rows, peak worker RSS {r.peak_worker_rss_bytes / 2**30:.2f} GiB",
+            f"  {r.method:<11} run {r.repeat}: {r.wall_s:7.2f} s, {outcome}, "
+            f"peak worker RSS {r.peak_worker_rss_bytes / 2**30:.2f} GiB{restarts}",
             err=True,
         )
 
@@ -170,15 +191,28 @@ def bench(
             settle=settle,
             on_result=progress,
             dtypes=dtypes,
+            skew=skew,
+            worker_memory=worker_memory,
         )
     click.echo(
         f"{context['rows']:,} rows x {context['columns']} {context['dtypes']} columns, "
-        f"{context['partitions']} partitions, {context['input_bytes'] / 2**30:.2f} GiB; "
-        f"{context['workers']} workers x {context['threads_per_worker']} threads over "
-        f"{context['protocol']}\n{context['machine']}\n{json.dumps(context['versions'])}"
+        f"{context['partitions']} partitions, {context['input_bytes'] / 2**30:.2f} GiB"
+        + (f", {context['skew']:.0%} of the rows on one key" if context["skew"] else "")
+        + f"; {context['workers']} workers x {context['threads_per_worker']} threads"
+        + (f" of {context['worker_memory']}" if context["worker_memory"] else "")
+        + f" over {context['protocol']}\n{context['machine']}\n"
+        f"{json.dumps(context['versions'])}"
     )
     summary = summarize(results)
     click.echo(format_table(summary))
+    for row in summary:
+        for error in row["errors"]:
+            click.echo(f"{row['method']} failed: {error}")
+        if row["same_partitions_as"]:
+            click.echo(
+                f"{row['method']}: the same rows in each output partition as "
+                f"{', '.join(row['same_partitions_as'])}"
+            )
     for row in summary:
         if row.get("copies_per_byte_by_stage"):
             stages = ", ".join(

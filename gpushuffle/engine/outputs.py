@@ -30,15 +30,17 @@ class OutputSize:
 def check_outputs_fit(
     sizes: Mapping[int, OutputSize],
     limit: int,
+    held: int,
     *,
     fail_at: float,
     warn_at: float,
     where: str,
     memory: str,
 ) -> None:
-    """Raise :class:`ShuffleOutputTooLargeError` for the largest partition
-    over ``fail_at * limit`` bytes; log a warning for those over
-    ``warn_at * limit``.
+    """Raise :class:`ShuffleOutputTooLargeError` where the largest partition,
+    on top of the ``held`` bytes the worker holds now, would pass
+    ``fail_at * limit``; log a warning for partitions over ``warn_at * limit``
+    on their own.
 
     ``where`` names the shuffle and worker, ``memory`` the limit (e.g.
     "this worker's memory limit").  ``fail_at`` 0 turns the check off.
@@ -59,15 +61,15 @@ def check_outputs_fit(
             f"partitions, {times:.1f}x their mean)"
         )
 
-    if largest.nbytes > fail_at * limit:
+    if held + largest.nbytes > fail_at * limit:
         raise ShuffleOutputTooLargeError(
-            f"gpushuffle {where}: {describe(partition, largest)}, more than "
-            f"{fail_at:.0%} of {memory} ({_size(limit)}); assembling it would need all "
-            "of it in memory at once, and the worker would be restarted until the "
-            "computation fails. A key shared by many rows (a null or default key) makes "
-            "such a partition: spread it (add a random salt column to the key and "
-            "aggregate in two steps), use more output partitions (npartitions=) where "
-            "the keys are many, or give workers more memory. "
+            f"gpushuffle {where}: {describe(partition, largest)}; with the "
+            f"{_size(held)} the worker holds already, building it would take more than "
+            f"{fail_at:.0%} of {memory} ({_size(limit)}), and the worker would be "
+            "restarted until the computation fails. A key shared by many rows (a null or "
+            "default key) makes such a partition: spread it (add a random salt column to "
+            "the key and aggregate in two steps), use more output partitions "
+            "(npartitions=) where the keys are many, or give workers more memory. "
             "(gpushuffle.memory.output-fail sets this limit.)"
         )
     for p, size in sizes.items():

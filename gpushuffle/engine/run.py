@@ -30,7 +30,7 @@ from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.outputs import check_outputs_fit
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.store import ShardStore
-from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError
+from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError, ShuffleOutputTooLargeError
 from gpushuffle.transport import LentTable, Shard, read_lent, statistics, wire_payload
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._lingering_bytes: dict[str, int] = {}
         self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
         self._inputs_done_started = False
+        self._too_large: ShuffleOutputTooLargeError | None = None
         self._inputs_done_lock = asyncio.Lock()
         self.store = ShardStore(
             backend=self.backend,
@@ -260,25 +261,36 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 self._exception = e
                 raise
             await super().inputs_done()
-        # Every shard is in: each output partition's size is known here.
-        self._check_outputs_fit()
 
     def _check_outputs_fit(self) -> None:
-        """Fail the shuffle at the barrier, with the reason, where an output
-        partition cannot be built on this worker (engine/outputs.py)."""
+        """Fail the shuffle's unpack, with the reason, where an output
+        partition cannot be built on this worker (engine/outputs.py): what the
+        worker holds now plus the partition, against its limit.
+
+        Made as the worker's first unpack starts: only once the barrier has
+        passed is every shard in (a worker's own inputs_done returns before
+        its peers have flushed their sends to it).  Every unpack of the run
+        then raises the same error, so that the partition is never built.
+        """
         if self.backend.tier == DEVICE:
-            limit = worker_memory().device_share or 0
-            memory = "this worker's share of device memory"
+            memory = worker_memory()
+            limit, held = memory.device_share or 0, memory.device.bytes
+            what = "this worker's share of device memory"
         else:
+            import psutil
+
             limit = config.worker_memory_limit()
-            memory = "this worker's memory limit"
+            # Free pool blocks take the outputs (HostBufferPool.empty_buffers).
+            held = psutil.Process().memory_info().rss - host_pool().usage()["free"]
+            what = "this worker's memory limit"
         check_outputs_fit(
             self.store.partition_sizes(),
             limit,
+            max(0, held),
             fail_at=float(config.get("memory.output-fail")),
             warn_at=float(config.get("memory.output-warn")),
             where=f"{self.id} on {self.local_address}",
-            memory=memory,
+            memory=what,
         )
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
@@ -547,7 +559,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # the store holds the most.  So do inputs the worker let go of during
         # the transfer (distributed spilled them) that borrowed rows still hold.
         if self.store.start_unpack():
+            try:
+                self._check_outputs_fit()
+            except ShuffleOutputTooLargeError as e:
+                self._too_large = e
             sync(self._loop, self.store.release_let_go_inputs)
+        if self._too_large is not None:
+            raise self._too_large
         nrows, tables = self.store.read(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)

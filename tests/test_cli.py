@@ -724,14 +724,17 @@ def test_bench_plot_writes_a_png(tmp_path):
         (
             "copied_bytes",
             "copies_per_byte",
+            "error",
             "gib_per_s",
             "input_bytes",
             "left_behind_bytes",
             "machine",
             "method",
+            "partition_digest",
             "peak_breakdown",
             "peak_worker_rss_bytes",
             "repeat",
+            "restarts",
             "rows_out",
             "rss_after_bytes",
             "rss_before_bytes",
@@ -740,6 +743,9 @@ def test_bench_plot_writes_a_png(tmp_path):
             "wall_s",
         )
     }
+    # Every method put the same rows in each output partition.
+    assert len({r["partition_digest"] for r in records}) == 1
+    assert all(r["error"] is None and r["restarts"] == 0 for r in records)
     # What the shuffle held when the largest worker's RSS peaked.
     gpushuffle_runs = [r for r in records if r["method"] == "gpushuffle"]
     assert (
@@ -830,6 +836,29 @@ def test_bench_mixed_dtypes(tmp_path):
     assert r.exit_code == 0, r.output
     assert "9 mixed columns" in r.stdout
     assert {rec["rows_out"] for rec in json.loads(results.read_text())} == {20_000}
+
+
+def test_bench_skew_on_limited_workers(tmp_path):
+    """--skew puts that share of the rows on one key; --worker-memory gives
+    workers a limit distributed enforces, inputs generated in the shuffle:
+    every method's partitions are compared, restarts counted."""
+    from gpushuffle.bench import make_partition
+
+    part = make_partition(3, 10_000, 4, 10_000, skew=0.7)
+    assert 0.65 < (part["key"] == 0).mean() < 0.75
+    results = tmp_path / "bench.json"
+    r = gpushuffle(
+        "bench", "--rows", 200_000, "--columns", 4, "--partitions", 8, "--skew", 0.7,
+        "--worker-memory", "1GiB", "--methods", "gpushuffle,tasks", "--json", results,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "70% of the rows on one key" in r.stdout and "threads of 1GiB" in r.stdout
+    assert "gpushuffle: the same rows in each output partition as tasks" in r.stdout
+    records = json.loads(results.read_text())
+    assert {rec["rows_out"] for rec in records} == {200_000}
+    assert all(rec["restarts"] == 0 and rec["error"] is None for rec in records)
+    bad = gpushuffle("bench", "--skew", "1.5")
+    assert bad.exit_code == 2 and "--skew" in bad.output, bad.output
 
 
 def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):

@@ -1,0 +1,44 @@
+"""Sphinx configuration for gpushuffle's docs site (`bash ci/docs.sh`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+project = "gpushuffle"
+author = "the gpushuffle developers"
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx_click",
+]
+source_suffix = {".md": "markdown"}
+myst_heading_anchors = 3
+myst_enable_extensions = ["colon_fence"]
+html_theme = "pydata_sphinx_theme"
+html_title = "gpushuffle"
+html_theme_options = {"navigation_depth": 2, "show_toc_level": 2}
+exclude_patterns = ["_build", "_generated/*.md.txt"]
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+suppress_warnings = ["myst.xref_missing"] if False else []
+
+
+def _generate(app) -> None:
+    """The configuration table, from gpushuffle.yaml and its comments."""
+    from gpushuffle.config_reference import markdown_table
+
+    out = Path(app.srcdir) / "_generated"
+    out.mkdir(exist_ok=True)
+    table = markdown_table()
+    target = out / "configuration-keys.md"
+    if not target.exists() or target.read_text() != table:
+        target.write_text(table)
+
+
+def setup(app):
+    app.connect("builder-inited", _generate)

@@ -40,7 +40,7 @@ def run(
 
     import gpushuffle  # noqa: F401  (registers the method)
     from gpushuffle.bench import benchmark_cluster, machine_description, versions
-    from gpushuffle.job import _quiet_shuffle_log
+    from gpushuffle.cluster import _quiet_shuffle_log
 
     records: list[dict[str, Any]] = []
     parts = 16

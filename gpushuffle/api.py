@@ -49,7 +49,7 @@ from gpushuffle._distributed import (
 from gpushuffle.backends import backend_for
 from gpushuffle.engine.join import PARTITION_COLUMN, join_transfer, join_unpack
 from gpushuffle.engine.partitioning import PartitioningIndex
-from gpushuffle.engine.spec import GPUShuffleSpec
+from gpushuffle.engine.run import GPUShuffleSpec
 from gpushuffle.engine.tasks import barrier as barrier_task
 from gpushuffle.engine.tasks import transfer, unpack
 

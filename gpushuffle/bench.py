@@ -44,7 +44,7 @@ class Result:
     rss_after_bytes: dict[str, int] = field(default_factory=dict)
     settle_s: float = 0.0
     #: What shuffles held on the largest worker when its RSS peaked
-    #: (:func:`gpushuffle.engine.memory.memory_breakdown`), and the RSS then.
+    #: (:func:`gpushuffle.engine.footprint.memory_breakdown`), and the RSS then.
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     #: Bytes gpushuffle's stages copied in this run, summed over workers, by
     #: stage (:mod:`gpushuffle.engine.copies`); empty for other methods.
@@ -61,7 +61,7 @@ class Result:
     rss_timelines: dict[str, list[tuple[float, int]]] = field(
         default_factory=dict, repr=False, compare=False
     )
-    #: Each worker's :func:`~gpushuffle.engine.memory.memory_breakdown` at the
+    #: Each worker's :func:`~gpushuffle.engine.footprint.memory_breakdown` at the
     #: same instants as ``rss_timelines``.  Not written to JSON.
     breakdowns: dict[str, list[dict[str, int]]] = field(
         default_factory=dict, repr=False, compare=False
@@ -135,7 +135,7 @@ def benchmark_cluster(
     output (``gpushuffle bench`` leaves that to its ``--debug``)."""
     from distributed import LocalCluster
 
-    from gpushuffle.job import _quiet_shuffle_log, embedded_worker_preloads
+    from gpushuffle.cluster import _quiet_shuffle_log, embedded_worker_preloads
 
     with (
         LocalCluster(
@@ -294,11 +294,11 @@ def _start_sampler(
 
     Runs on workers (``client.run``).  ``name`` keeps samplers of different
     callers on one worker apart.  With ``breakdown``, each sample also
-    records what shuffles hold (:func:`gpushuffle.engine.memory.memory_breakdown`).
+    records what shuffles hold (:func:`gpushuffle.engine.footprint.memory_breakdown`).
     """
     import psutil
 
-    from gpushuffle.engine.memory import memory_breakdown
+    from gpushuffle.engine.footprint import memory_breakdown
 
     process = psutil.Process()
     stop = threading.Event()

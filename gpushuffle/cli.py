@@ -155,7 +155,7 @@ def bench(
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
     from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
-    from gpushuffle.job import _quiet_shuffle_log
+    from gpushuffle.cluster import _quiet_shuffle_log
 
     if plot_path:
         from gpushuffle.plot import require_matplotlib
@@ -324,7 +324,9 @@ def shuffle(
     output, key or scheduler), 130 interrupted (Ctrl-C), 143 terminated
     (SIGTERM).
     """
-    from gpushuffle.job import ClusterOptions, JobError, shuffle_parquet
+    from gpushuffle.cluster import ClusterOptions
+    from gpushuffle.errors import JobError
+    from gpushuffle.job import shuffle_parquet
 
     def note(message: str) -> None:
         if not quiet:
@@ -388,7 +390,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
 
     import gpushuffle
     from gpushuffle.bench import generated_frame
-    from gpushuffle.job import _quiet_shuffle_log, detect_cluster_plan, embedded_worker_preloads
+    from gpushuffle.cluster import _quiet_shuffle_log, detect_cluster_plan, embedded_worker_preloads
 
     plan = detect_cluster_plan()
     if plan.note:
@@ -396,7 +398,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
     if plan.kind == "LocalCUDACluster":
         from dask_cuda import LocalCUDACluster
 
-        from gpushuffle.job import rmm_options
+        from gpushuffle.cluster import rmm_options
 
         if workers > plan.gpus:
             click.echo(

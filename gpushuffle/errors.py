@@ -55,3 +55,11 @@ class ShuffleDiskFullError(OSError):
 
 class ShuffleCommError(ConnectionError):
     """Shards could not be sent to a peer; the message names it."""
+
+
+class JobError(Exception):
+    """The job cannot run as asked: the input, output, key or cluster is wrong.
+
+    The message is one line that names the problem and, where there is one,
+    the fix.
+    """

@@ -122,7 +122,7 @@ def plot_benchmark(results: Sequence[Result], context: dict[str, Any], path: str
     fig.savefig(path, dpi=110, metadata={"Description": json.dumps(context["versions"])})
 
 
-#: Components of :func:`gpushuffle.engine.memory.memory_breakdown` drawn per
+#: Components of :func:`gpushuffle.engine.footprint.memory_breakdown` drawn per
 #: method, with their labels.  ``store_disk`` is not memory: drawn dashed.
 _PARTS: dict[str, list[tuple[str, tuple[str, ...], str]]] = {
     "gpushuffle": [

@@ -173,7 +173,7 @@ def lend(
     Returns the lent frames' ``[position, address, nbytes, own]``, the frames
     the message carries, and the objects to keep alive until the receiver
     answers.  ``own``: positions of frames the receiver reads into memory of
-    their own (:data:`~gpushuffle.backends.base.OWN_FRAMES`).
+    their own (:data:`~gpushuffle.engine.tables.OWN_FRAMES`).
     """
     own = frozenset(own)
     lent: list[list[int]] = []

@@ -11,7 +11,7 @@ a message must carry a *list of shards* (:func:`wire_payload`), each of which
 then reaches its registered serializer.  A list of ``(key, shard)`` tuples
 would be pickled whole instead, bypassing the backend (for cuDF, pickling a
 pylibcudf table would carry a raw device address).  Backend tables therefore
-refuse plain pickling (:func:`gpushuffle.backends.base.refuse_pickle`), so
+refuse plain pickling (:func:`gpushuffle.engine.tables.refuse_pickle`), so
 such a mistake fails loudly.
 """
 
@@ -34,10 +34,10 @@ from distributed.protocol import (
 )
 
 from gpushuffle import samehost
-from gpushuffle.backends import backend_named
-from gpushuffle.backends.base import OWN_FRAMES
 from gpushuffle.counters import Counters
 from gpushuffle.engine import copies
+from gpushuffle.engine.registry import backend_named
+from gpushuffle.engine.tables import OWN_FRAMES
 
 
 @dataclass(slots=True)

@@ -109,12 +109,12 @@ def pytest_collection_modifyitems(config, items):
 
     cudf, cupy and rmm import on machines without a GPU and fail only at the
     first allocation, so an import check is not enough: a child process
-    runs a cuDF reduction (see gpushuffle.job.usable_gpu).
+    runs a cuDF reduction (see gpushuffle.cluster.usable_gpu).
     """
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
-    from gpushuffle.job import usable_gpu
+    from gpushuffle.cluster import usable_gpu
 
     device = usable_gpu()
     if device:

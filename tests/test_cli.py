@@ -29,8 +29,10 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from pandas_versions import BORROWS_FROM_INPUTS
 from truth import checksum, partitions_of
 
+from gpushuffle import cluster as cluster_plans
 from gpushuffle import job
 from gpushuffle.cli import main
+from gpushuffle.errors import JobError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -301,7 +303,7 @@ def test_progress_bars_show_each_phase(client, cluster, events, tmp_path, capsys
         str(tmp_path / "out"),
         ["user_id"],
         npartitions=3,
-        cluster=job.ClusterOptions(scheduler=cluster.scheduler_address),
+        cluster=cluster_plans.ClusterOptions(scheduler=cluster.scheduler_address),
         progress=True,
     )
     err = capsys.readouterr().err
@@ -633,8 +635,8 @@ def test_bad_option_values_are_usage_errors(events, tmp_path):
 
 
 def test_cluster_plan():
-    plan = job.plan_cluster
-    h200 = job.GpuInfo("H200", 1)
+    plan = cluster_plans.plan_cluster
+    h200 = cluster_plans.GpuInfo("H200", 1)
     assert plan(dask_cuda=False, gpu=None, cudf_backend=False).kind == "LocalCluster"
     assert plan(dask_cuda=False, gpu=h200, cudf_backend=True).kind == "LocalCluster"
     assert plan(dask_cuda=True, gpu=None, cudf_backend=True).kind == "LocalCluster"
@@ -646,20 +648,22 @@ def test_cluster_plan():
     assert (gpu.kind, gpu.backend, gpu.gpus) == ("LocalCUDACluster", "cudf", 1)
     # Asked for: pandas always; cuDF or a clear error naming what is missing.
     assert plan(dask_cuda=True, gpu=h200, cudf_backend=True, backend="pandas").backend == "pandas"
-    with pytest.raises(job.JobError, match="--backend cudf: no GPU on which cuDF can compute"):
+    with pytest.raises(JobError, match="--backend cudf: no GPU on which cuDF can compute"):
         plan(dask_cuda=True, gpu=None, cudf_backend=True, backend="cudf")
-    with pytest.raises(job.JobError, match="dask-cuda is not installed"):
+    with pytest.raises(JobError, match="dask-cuda is not installed"):
         plan(dask_cuda=False, gpu=None, cudf_backend=False, backend="cudf")
 
 
 def test_more_gpu_workers_than_gpus_is_a_usage_error():
-    gpu = job.plan_cluster(dask_cuda=True, gpu=job.GpuInfo("H200", 1), cudf_backend=True)
-    job.check_gpu_workers(gpu, 1)
-    job.check_gpu_workers(gpu, None)
-    with pytest.raises(job.JobError, match="one worker per GPU and 1 GPU is visible"):
-        job.check_gpu_workers(gpu, 2)
-    cpu = job.plan_cluster(dask_cuda=False, gpu=None, cudf_backend=False)
-    job.check_gpu_workers(cpu, 8)  # CPU workers: any number
+    gpu = cluster_plans.plan_cluster(
+        dask_cuda=True, gpu=cluster_plans.GpuInfo("H200", 1), cudf_backend=True
+    )
+    cluster_plans.check_gpu_workers(gpu, 1)
+    cluster_plans.check_gpu_workers(gpu, None)
+    with pytest.raises(JobError, match="one worker per GPU and 1 GPU is visible"):
+        cluster_plans.check_gpu_workers(gpu, 2)
+    cpu = cluster_plans.plan_cluster(dask_cuda=False, gpu=None, cudf_backend=False)
+    cluster_plans.check_gpu_workers(cpu, 8)  # CPU workers: any number
 
 
 def test_backend_cudf_without_a_gpu_exits_2(events, tmp_path):
@@ -670,8 +674,8 @@ def test_backend_cudf_without_a_gpu_exits_2(events, tmp_path):
 
 
 def test_existing_cluster_of_cpu_workers_gets_pandas(client):
-    assert job.cluster_backend(client, "auto") == "pandas"
-    assert job.cluster_backend(client, "cudf") == "cudf"
+    assert cluster_plans.cluster_backend(client, "auto") == "pandas"
+    assert cluster_plans.cluster_backend(client, "cudf") == "cudf"
 
 
 def test_gpu_probe(monkeypatch):
@@ -681,23 +685,23 @@ def test_gpu_probe(monkeypatch):
         calls.append(args)
         return subprocess.CompletedProcess(args, returncode, stdout=stdout)
 
-    monkeypatch.setattr(job.subprocess, "run", run)
-    monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(cluster_plans.subprocess, "run", run)
+    monkeypatch.setattr(cluster_plans.importlib.util, "find_spec", lambda name: object())
     returncode, stdout = 0, "2\nNVIDIA H200\n"
-    assert job.usable_gpu() == job.GpuInfo("NVIDIA H200", 2)
+    assert cluster_plans.usable_gpu() == cluster_plans.GpuInfo("NVIDIA H200", 2)
     assert "cudf.Series" in calls[-1][-1]  # the probe computes with cuDF
     returncode, stdout = 1, ""
-    assert job.usable_gpu() is None
-    monkeypatch.setattr(job.importlib.util, "find_spec", lambda name: None)
+    assert cluster_plans.usable_gpu() is None
+    monkeypatch.setattr(cluster_plans.importlib.util, "find_spec", lambda name: None)
     calls.clear()
-    assert job.usable_gpu() is None
+    assert cluster_plans.usable_gpu() is None
     assert calls == []  # no cuDF: no process started
 
 
 def test_cuda_probe_fails_cleanly_without_a_gpu():
     if os.path.exists("/dev/nvidia0"):
         pytest.skip("this machine has a GPU")
-    assert job.usable_gpu() is None
+    assert cluster_plans.usable_gpu() is None
 
 
 # -- bench --plot -------------------------------------------------------------------

@@ -52,8 +52,7 @@ from faults import (
 
 from gpushuffle._distributed import barrier_key
 from gpushuffle.engine.memory import reset_worker_memory, worker_memory
-from gpushuffle.engine.run import GPUShuffleRun
-from gpushuffle.engine.spec import GPUShuffleSpec
+from gpushuffle.engine.run import GPUShuffleRun, GPUShuffleSpec
 
 pytestmark = pytest.mark.timeout(180)
 

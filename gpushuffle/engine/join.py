@@ -3,7 +3,7 @@
 A join is two gpushuffle runs, one per side, with the shape of
 distributed's ``HashJoinP2P``: each side's transfer tasks compute dask's
 partition id and hand the partition to that side's run; each side's barrier
-carries its own :class:`~gpushuffle.engine.spec.GPUShuffleSpec` (its meta,
+carries its own :class:`~gpushuffle.engine.run.GPUShuffleSpec` (its meta,
 once); output partition ``j`` is one task that assembles ``j`` from both
 runs and merges the two with the backend.  distributed's scheduler plugin
 gives two shuffles that share output tasks the same ``worker_for``, so both
@@ -23,8 +23,8 @@ from gpushuffle._distributed import (
     _select_columns_or_index,
     partitioning_index,
 )
-from gpushuffle.backends import backend_for
 from gpushuffle.engine.partitioning import hash_partitions, plain_keys
+from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.tasks import _phase_errors, get_output, transfer
 
 #: The partition-id column added to each side before its transfer (dask's

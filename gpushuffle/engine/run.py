@@ -10,7 +10,8 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Generator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -24,18 +25,23 @@ from distributed.utils_comm import retry
 from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
-from gpushuffle._distributed import ResourceLimiter, ShuffleClosedError, ShuffleRun
-from gpushuffle.backends import backend_for
+from gpushuffle._distributed import (
+    ResourceLimiter,
+    ShuffleClosedError,
+    ShuffleRun,
+    ShuffleSpec,
+    pin_output_tasks,
+)
 from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.outputs import check_outputs_fit
 from gpushuffle.engine.pool import host_pool
+from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError, ShuffleOutputTooLargeError
 from gpushuffle.transport import LentTable, Shard, read_lent, statistics, wire_payload
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
-    from gpushuffle.engine.spec import GPUShuffleSpec
 
 T = TypeVar("T")
 
@@ -621,3 +627,74 @@ def _workers_sharing_the_gpu(address: str, workers: Iterable[str]) -> int:
     except Exception:
         gpus = 0
     return max(1, -(-local // max(1, gpus)))
+
+
+# -- the spec: what the scheduler and workers need to start a run -------------
+#
+# It travels once, on the barrier task (P2PBarrierTask), and carries ``meta``:
+# workers build output partitions from it and never look at data to learn the
+# schema.  Spec and run share a module, as in distributed's shuffles.
+
+
+@dataclass(frozen=True)
+class GPUShuffleSpec(ShuffleSpec[int]):
+    """A hash shuffle of a DataFrame by a precomputed partition-id column.
+
+    Parameters
+    ----------
+    npartitions
+        Number of output partitions.
+    column
+        Column holding each row's output partition, computed by dask's
+        ``partitioning_index`` so rows land where the ``tasks`` and ``p2p``
+        methods would put them.  It is dropped from the output.
+    meta
+        Empty frame with the input's schema, ``column`` included.
+    parts_out
+        The output partitions wanted: all of them (an ``int``) or a subset.
+    ignore_index
+        Whether to drop the index instead of carrying it.
+    borrow_inputs
+        Whether the input partitions are persisted data, which workers hold
+        whatever the shuffle does: the rows a worker keeps of its own inputs
+        may then stay in them instead of being copied into its store
+        (``gpushuffle.memory.borrow-inputs``).
+    """
+
+    npartitions: int
+    column: str
+    meta: Any
+    parts_out: tuple[int, ...] | int
+    ignore_index: bool
+    borrow_inputs: bool = False
+
+    @property
+    def output_partitions(self) -> Generator[int]:
+        parts_out = self.parts_out
+        yield from range(parts_out) if isinstance(parts_out, int) else parts_out
+
+    def pick_worker(self, partition: int, workers: Sequence[str]) -> str:
+        # Range sharding, as p2p does: contiguous output partitions per worker.
+        return workers[len(workers) * partition // self.npartitions]
+
+    def create_new_run(self, worker_for: dict[int, str], span_id: str | None) -> Any:
+        state = super().create_new_run(worker_for=worker_for, span_id=span_id)
+        from gpushuffle.engine.graph import output_partition_of
+
+        pin_output_tasks(self.id, worker_for, output_partition_of)
+        return state
+
+    def create_run_on_worker(
+        self,
+        run_id: int,
+        span_id: str | None,
+        worker_for: dict[int, str],
+        plugin: ShuffleWorkerPlugin,
+    ) -> ShuffleRun:
+        return GPUShuffleRun(
+            spec=self,
+            worker_for=worker_for,
+            run_id=run_id,
+            span_id=span_id,
+            plugin=plugin,
+        )

@@ -4,7 +4,7 @@ Tiers: device memory (cuDF shards), host memory (pandas shards, and device
 shards moved off the GPU), disk (files under the worker's local directory).
 
 A shard of rows *borrowed* from an input partition the worker holds anyway
-(:meth:`~gpushuffle.backends.base.TableBackend.unshared_bytes`) is charged
+(:meth:`~gpushuffle.engine.tables.TableBackend.unshared_bytes`) is charged
 only what it alone keeps alive: nothing while the worker holds the input.
 Puts charge such groups anew as they make room (every put while there are
 few; with many, every so many puts, so that a put's checks stay a constant
@@ -47,11 +47,11 @@ from typing import Any
 import numpy as np
 
 from gpushuffle._distributed import ShuffleClosedError
-from gpushuffle.backends import TableBackend
 from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
 from gpushuffle.engine.outputs import OutputSize
 from gpushuffle.engine.pool import host_pool, malloc_trim
+from gpushuffle.engine.tables import TableBackend
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
 

@@ -22,8 +22,6 @@ from gpushuffle._distributed import (
     ShuffleClosedError,
     ShuffleId,
     ShuffleWorkerPlugin,
-    Task,
-    execute_subgraph,
     get_worker_plugin,
     known_run,
 )
@@ -101,25 +99,6 @@ def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
     with _phase_errors(id, "unpack", f"output partition {output_partition}"):
         return get_output(id, barrier_run_id, output_partition)
-
-
-def output_partition_of(node: Any) -> int | None:
-    """The output partition a task of gpushuffle's graph computes, read from
-    its run spec on the scheduler (an unpack or join task, alone or fused
-    with the steps after it); None for any other task."""
-    from gpushuffle.engine.join import join_unpack
-
-    if not isinstance(node, Task):
-        return None
-    if node.func is execute_subgraph:
-        # dask fused the unpack with the blockwise steps after it.
-        inner = {output_partition_of(t) for t in node.args[0].values()} - {None}
-        return inner.pop() if len(inner) == 1 else None
-    position = 1 if node.func is unpack else 2 if node.func is join_unpack else None
-    if position is None or len(node.args) <= position:
-        return None
-    partition = node.args[position]
-    return partition if isinstance(partition, int) else None
 
 
 def barrier(id: ShuffleId, *run_ids: int) -> int:

@@ -32,7 +32,7 @@ from gpushuffle._distributed import (
     ShuffleSpec,
     pin_output_tasks,
 )
-from gpushuffle.engine.memory import DEVICE, worker_memory
+from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import check_outputs_fit
 from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.registry import backend_for
@@ -583,8 +583,35 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     # -- bookkeeping ------------------------------------------------------
 
     def heartbeat(self) -> dict[str, Any]:
+        """What the scheduler keeps of this run, every heartbeat.
+
+        distributed's dashboard (its Shuffling panel) draws two buffers per
+        worker from ``comm`` and ``disk``: p2p's comm buffer and its buffer
+        of shards waiting for disk.  gpushuffle's ``disk`` entry is its store:
+        what it holds in memory (device and host tiers) against its memory
+        budget, all it holds, and what it wrote to and read from its spill
+        files.  ``store`` has the store's statistics, ``tiers`` the worker's
+        budgets and what every shuffle there holds per tier.
+        """
         heartbeat = super().heartbeat()
-        heartbeat["store"] = self.store.statistics.as_dict()
+        stats = self.store.statistics
+        memory = worker_memory()
+        in_memory = DEVICE if self.backend.tier == DEVICE else HOST
+        heartbeat["disk"] = {
+            "memory": stats.device_bytes + stats.host_bytes,
+            "total": stats.device_bytes + stats.host_bytes + stats.disk_bytes,
+            "buckets": self.store.partitions_held(),
+            "written": stats.bytes_spilled,
+            "read": stats.bytes_read_back,
+            "avg_size": stats.spill_avg_bytes,
+            "avg_duration": stats.spill_avg_seconds,
+            "memory_limit": memory.tier(in_memory).limit or 0,
+        }
+        heartbeat["store"] = stats.as_dict()
+        heartbeat["tiers"] = {
+            tier: {"bytes": memory.tier(tier).bytes, "limit": memory.tier(tier).limit}
+            for tier in (DEVICE, HOST, DISK)
+        }
         return heartbeat
 
     async def close(self) -> None:

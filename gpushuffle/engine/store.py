@@ -123,6 +123,14 @@ class StoreStatistics:
     device_peak_bytes: int = 0
     host_peak_bytes: int = 0
     disk_peak_bytes: int = 0
+    #: Bytes written to the spill files and read back from them, and the
+    #: seconds each write of a group of pieces took (a moving average, as
+    #: distributed's buffers keep one for its dashboard).
+    bytes_spilled: int = 0
+    bytes_read_back: int = 0
+    spills: int = 0
+    spill_avg_bytes: float = 0.0
+    spill_avg_seconds: float = 0.0
 
     def add(self, tier: str, nbytes: int) -> None:
         now = getattr(self, f"{tier}_bytes") + nbytes
@@ -374,8 +382,15 @@ class ShardStore:
         pieces = [p for p in group.pieces if p.group is group and not p.reading]
         items = [(p.partition, p.table) for p in pieces]
         locations = await self._offload(self._append_all, items)
-        seconds = (time.perf_counter() - start) / max(len(pieces), 1)
+        elapsed = time.perf_counter() - start
+        seconds = elapsed / max(len(pieces), 1)
         with self._lock:
+            written = sum(p.nbytes for p in pieces)
+            stats = self.statistics
+            stats.bytes_spilled += written
+            stats.spills += 1
+            stats.spill_avg_bytes = 0.98 * stats.spill_avg_bytes + 0.02 * written
+            stats.spill_avg_seconds = 0.98 * stats.spill_avg_seconds + 0.02 * elapsed
             for piece, location in zip(pieces, locations, strict=True):
                 if piece.reading or piece.group is not group:
                     continue  # an unpack took it meanwhile: it reads the memory copy
@@ -468,6 +483,11 @@ class ShardStore:
                 for partition, pieces in self._pieces.items()
             }
 
+    def partitions_held(self) -> int:
+        """Output partitions with pieces not yet read."""
+        with self._lock:
+            return len(self._pieces)
+
     def read(self, partition: int) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.
 
@@ -529,6 +549,7 @@ class ShardStore:
             offset += length
         del view
         self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
+        self.statistics.bytes_read_back += piece.nbytes
         start = time.perf_counter()
         table = self._backend.deserialize(location.header, frames)
         if self._backend.tier == DEVICE:

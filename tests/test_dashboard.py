@@ -1,0 +1,92 @@
+"""gpushuffle in Dask's dashboard: the Shuffling panel draws its store.
+
+distributed's Shuffling panel (``/shuffle``) draws, per worker of a running
+shuffle, two buffers from the heartbeats its scheduler plugin keeps: ``comm``
+(shards waiting to be sent) and ``disk``.  gpushuffle's runs report their
+store as ``disk``: what it holds in memory against its memory budget, all it
+holds, and what it wrote to and read back from its spill files.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from typing import Any
+from unittest import mock
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster
+
+from gpushuffle.engine.memory import reset_worker_memory
+from gpushuffle.engine.run import GPUShuffleRun
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class HeldUnpack(GPUShuffleRun):
+    """Holds every unpack until the test lets it through (heartbeats go on)."""
+
+    release = threading.Event()
+
+    def _get_output_partition(self, partition_id: int, key: Any, **kwargs: Any) -> Any:
+        self.release.wait(60)
+        return super()._get_output_partition(partition_id, key, **kwargs)
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", HeldUnpack)
+def test_the_shuffling_panel_shows_the_store_against_its_budget():
+    from distributed.dashboard.components.scheduler import Shuffling
+
+    reset_worker_memory()
+    HeldUnpack.release.clear()
+    rng = np.random.default_rng(36)
+    n = 400_000
+    pdf = pd.DataFrame({"key": rng.integers(0, 10_000, n), "x": rng.random(n)})
+    # Budgets are per process (shared by these in-process workers): 1 MiB,
+    # so that shards spill.
+    with (
+        dask.config.set({"gpushuffle.memory.host-limit": "1 MiB"}),
+        LocalCluster(
+            n_workers=2, processes=False, threads_per_worker=1, dashboard_address="127.0.0.1:0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        df = dd.from_pandas(pdf, npartitions=8, sort=False)
+        futures = client.compute(df.shuffle("key", npartitions=6, shuffle_method="gpushuffle"))
+        plugin = cluster.scheduler.extensions["shuffle"]
+        deadline = time.monotonic() + 30
+        while not any(
+            len(workers) == 2 and all("store" in d for d in workers.values())
+            for workers in plugin.heartbeats.values()
+        ):
+            assert time.monotonic() < deadline, dict(plugin.heartbeats)
+            time.sleep(0.1)
+        # Transfers are done (unpacks are held): a heartbeat with the final
+        # figures comes within a second.
+        time.sleep(1.5)
+        try:
+            port = cluster.scheduler.http_server.port
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/shuffle", timeout=10) as page:
+                assert page.status == 200 and b"bokeh" in page.read().lower()
+            panel = Shuffling(cluster.scheduler)
+            panel.update()
+            data = panel.source.data
+            assert len(data["worker"]) == 2, data
+            assert all(limit == 1 << 20 for limit in data["disk_memory_limit"]), data
+            assert all(total > 0 for total in data["disk_total"]), data
+            assert sum(data["disk_written"]) > 0, data  # shards went to the spill files
+            assert all(buckets > 0 for buckets in data["disk_buckets"]), data
+            assert all(
+                memory <= total
+                for memory, total in zip(data["disk_memory"], data["disk_total"], strict=True)
+            )
+        finally:
+            HeldUnpack.release.set()
+        out = futures.result()
+        assert len(out) == n
+    reset_worker_memory()

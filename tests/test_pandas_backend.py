@@ -659,7 +659,7 @@ def test_large_string_pieces_taken_from_a_borrowed_input_stay_chunks_of_the_outp
     a chunk of the output as it is, not copied once more into one chunk.
     Received pieces (views of message buffers) and small pieces are still
     joined into one chunk, and the values are those of pandas' concat."""
-    from gpushuffle.backends import pandas as backend_module
+    from gpushuffle.backends import pandas_columns as backend_module
     from gpushuffle.backends.pandas import BorrowedRows
     from gpushuffle.engine import copies
 
@@ -785,7 +785,7 @@ def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output(
     large output's strings cross the comm in buffers of their own; the
     receiver keeps them as chunks of the output instead of copying them.
     Rows read back from disk, or sharing a buffer, are still copied."""
-    from gpushuffle.backends import pandas as backend_module
+    from gpushuffle.backends import pandas_columns as backend_module
     from gpushuffle.engine import copies
 
     backend = PandasBackend()

@@ -82,7 +82,7 @@ from cudf.utils.dtypes import PYLIBCUDF_TO_SUPPORTED_NUMPY_TYPES, dtype_to_pylib
 
 from gpushuffle.backends.base import TableBackend, check_frame, dtype_mismatch, refuse_pickle
 from gpushuffle.backends.columns import assemble_columns
-from gpushuffle.backends.pandas import dtype_family
+from gpushuffle.backends.dtypes import dtype_family
 from gpushuffle.engine import copies
 from gpushuffle.errors import ShuffleInputError
 

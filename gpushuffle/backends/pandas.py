@@ -25,7 +25,6 @@ what the borrowed rows keep alive, and may spill them (copied out then).
 
 from __future__ import annotations
 
-import itertools
 import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,10 +33,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from pandas.api.types import union_categoricals
-from pandas.core.dtypes.cast import find_common_type  # type: ignore[attr-defined]  # as p2p
 
-from gpushuffle.backends import arrow, flat
+from gpushuffle.backends import arrow
 from gpushuffle.backends.base import (
     OWN_FRAMES,
     TableBackend,
@@ -45,8 +42,28 @@ from gpushuffle.backends.base import (
     dtype_mismatch,
     refuse_pickle,
 )
+from gpushuffle.backends.dtypes import (
+    _compatible,
+    _dtypes,
+    _fill_dtypes,
+    _plain_index,
+    output_dtype,
+)
+from gpushuffle.backends.pandas_columns import (
+    _as_index,
+    _carve,
+    _concat_index,
+    _index_rows,
+    _index_values,
+    _take_rows,
+)
+from gpushuffle.backends.pandas_output import (
+    _BATCH_BYTES,
+    _BATCH_PIECES,
+    _ColumnBuilder,
+)
 from gpushuffle.engine import copies
-from gpushuffle.engine.pool import HostBufferPool, host_pool
+from gpushuffle.engine.pool import host_pool
 from gpushuffle.errors import ShuffleInputError
 
 
@@ -205,155 +222,6 @@ def _column_values(frame: pd.DataFrame, i: int) -> Any:
     return view
 
 
-def _dtypes(frame: pd.DataFrame) -> list[Any]:
-    """``list(frame.dtypes)`` without building a Series (cached by pandas)."""
-    get_dtypes = getattr(frame._mgr, "get_dtypes", None)
-    return list(frame.dtypes if get_dtypes is None else get_dtypes())
-
-
-def _poolable(values: Any) -> bool:
-    return isinstance(values, np.ndarray) and not values.dtype.hasobject
-
-
-#: Arrays carved from one block start on this boundary (cache lines; SIMD loads).
-_ALIGN = 64
-
-
-def _carve(pool: HostBufferPool, n: int, dtypes: Sequence[np.dtype], tag: str) -> list[np.ndarray]:
-    """Arrays of ``n`` items, one per dtype, carved from pooled blocks.
-
-    Arrays of one block live and die together: it goes back to the pool when
-    the last of them (and of their views) is gone.  One block per shard or
-    output instead of one per column means fewer, larger blocks, which the
-    pool reuses more easily; where the pool has free blocks smaller than the
-    whole, the arrays are spread over them (:meth:`HostBufferPool.empty_buffers`).
-    """
-    sizes = [-(-n * dtype.itemsize // _ALIGN) * _ALIGN for dtype in dtypes]
-    buffers = pool.empty_buffers(sizes, tag=tag)
-    return [
-        buffer[: n * dtype.itemsize].view(dtype)
-        for buffer, dtype in zip(buffers, dtypes, strict=True)
-    ]
-
-
-def _index_dtype(index: pd.Index) -> np.dtype | None:
-    """The dtype to take a plain index into pooled memory with, or None."""
-    if isinstance(index, pd.RangeIndex):
-        return np.dtype(np.int64)
-    if type(index) is pd.Index and _poolable(index.values):
-        return index.values.dtype
-    return None
-
-
-def _take_rows(
-    values: Sequence[Any],
-    index: pd.Index | None,
-    rows: np.ndarray,
-    pool: HostBufferPool,
-    bounds: np.ndarray | None = None,
-) -> tuple[list[Any], np.ndarray | pd.Index | None]:
-    """``rows`` of every column (and of ``index``), numpy data and the flat
-    buffers of fixed-width extension arrays (:mod:`~gpushuffle.backends.flat`)
-    into one pooled block.
-
-    ``bounds`` (the first row of each output partition in ``rows``, and
-    their end) cuts Arrow columns into chunks at output partitions (see
-    :func:`_output_cuts`)."""
-    # Per column: its numpy arrays to take from (one, or an extension
-    # array's flat buffers), or None for a column taken by its own take.
-    sources: list[tuple[np.ndarray, ...] | None] = [
-        (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
-    ]
-    index_dtype = None if index is None else _index_dtype(index)
-    dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
-    if index_dtype is not None:
-        dtypes.append(index_dtype)
-    carved = iter(_carve(pool, len(rows), dtypes, "split"))
-    columns: list[Any] = []
-    arrow_rows: list[arrow.Positions] = []  # shared by every Arrow column
-    cuts = None if bounds is None else _output_cuts(bounds)
-    for v, parts in zip(values, sources, strict=True):
-        if parts is None:
-            columns.append(_take_column(v, rows, arrow_rows, cuts))
-            continue
-        # mode="clip" skips the bounds-check copy numpy makes with out=
-        # and mode="raise"; ``rows`` are valid positions, none is clipped.
-        taken = tuple(np.take(a, rows, out=next(carved), mode="clip") for a in parts)
-        columns.append(taken[0] if _poolable(v) else flat.unflat(taken, v.dtype))
-    if index is None:
-        return columns, None
-    if index_dtype is None:
-        return columns, index.take(rows)
-    out = next(carved)
-    if isinstance(index, pd.RangeIndex):
-        np.multiply(rows, index.step, out=out)
-        out += index.start
-    else:
-        np.take(index.values, rows, out=out, mode="clip")
-    return columns, out
-
-
-def _take_column(
-    values: Any,
-    rows: np.ndarray,
-    arrow_rows: list[arrow.Positions],
-    cuts: list[int] | None = None,
-    stage: str = "split",
-) -> Any:
-    """``values.take(rows)`` for valid non-negative ``rows``; ``arrow_rows``
-    keeps ``rows`` as :class:`~gpushuffle.backends.arrow.Positions` for the
-    next Arrow column; an Arrow result is cut into chunks at ``cuts``
-    (:func:`_output_cuts`).  The caller counts the copy, under ``stage``."""
-    if isinstance(values, np.ndarray):
-        return np.take(values, rows, mode="clip")
-    if arrow.is_arrow(values):
-        if not arrow_rows:
-            arrow_rows.append(arrow.Positions(rows))
-        taken = arrow.take(values, arrow_rows[0], stage)
-        chunked = taken._pa_array
-        if not cuts or chunked.num_chunks != 1:
-            return taken
-        array = chunked.chunk(0)
-        bounds = [0, *cuts, len(array)]
-        pieces = [array.slice(a, b - a) for a, b in itertools.pairwise(bounds) if b > a]
-        return arrow.with_chunks(taken, pieces)
-    return values.take(rows)
-
-
-def _output_cuts(bounds: np.ndarray) -> list[int]:
-    """Where to cut a group's Arrow columns: at output partition boundaries
-    (``bounds``: the first row of each output in the group, and their end),
-    each chunk of at least ``_KEEP_CHUNK_ROWS`` rows but perhaps the last.
-
-    The cuts are views, no copy.  The out-of-band pickler sends each chunk's
-    buffers apart, so a receiver gets an output's rows in buffers of their
-    own whenever that output has a chunk to itself, and keeps them as a
-    chunk of the output (:func:`_coalesce`) instead of copying them.
-    """
-    cuts = [0]
-    for bound in bounds[1:-1].tolist():
-        if bound - cuts[-1] >= _KEEP_CHUNK_ROWS:
-            cuts.append(bound)
-    return cuts[1:]
-
-
-def _index_rows(index: pd.Index, rows: np.ndarray) -> np.ndarray | pd.Index:
-    """``index.take(rows)``: a plain index's as numpy values (see :class:`PandasTable`)."""
-    if isinstance(index, pd.RangeIndex):
-        return rows * index.step + index.start
-    if _index_dtype(index) is not None:
-        return np.take(index.values, rows, mode="clip")
-    return index.take(rows)
-
-
-def _as_index(index: np.ndarray | pd.Index) -> pd.Index:
-    return pd.Index(index, copy=False) if isinstance(index, np.ndarray) else index
-
-
-def _index_values(index: np.ndarray | pd.Index) -> np.ndarray:
-    return index if isinstance(index, np.ndarray) else index.values
-
-
 def _materialize(table: BorrowedRows) -> PandasTable:
     """The borrowed rows copied out of their input (before a spill)."""
     source = table.source
@@ -361,350 +229,6 @@ def _materialize(table: BorrowedRows) -> PandasTable:
     columns, index = _take_rows(source.values, source.index, rows, host_pool())
     copies.count("split", _nbytes(PandasTable(columns, index)))
     return PandasTable(columns, index, source.names)
-
-
-def _concat_numpy(parts: list[np.ndarray], pool: HostBufferPool) -> np.ndarray:
-    if len(parts) == 1:
-        return parts[0]
-    dtype = np.result_type(*parts)
-    if dtype.hasobject:
-        return np.concatenate(parts)
-    return np.concatenate(parts, out=pool.empty(sum(len(p) for p in parts), dtype, tag="unpack"))
-
-
-def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
-    first = indexes[0]
-    if len(indexes) > 1 and all(
-        type(i) is pd.Index and _poolable(i.values) and i.name == first.name for i in indexes
-    ):
-        values = _concat_numpy([i.values for i in indexes], pool)
-        return pd.Index(values, name=first.name, copy=False)
-    return first.append(indexes[1:]) if len(indexes) > 1 else first
-
-
-def _concat_column(
-    parts: list[Any], dtype: Any, pool: HostBufferPool, owned: Sequence[bool | frozenset[int]]
-) -> tuple[Any, int]:
-    """``parts`` as one array of ``dtype``, and the bytes that took copying.
-
-    ``owned[i]`` says whether ``parts[i]`` holds memory of its own (True: a
-    take into fresh memory), or which received buffers of it are
-    allocations of their own (their addresses), rather than views.
-    """
-    first = parts[0]
-    copied: int | None = None  # known already where Arrow chunks were coalesced
-    same_type = all(type(p) is type(first) and p.dtype == first.dtype for p in parts)
-    if all(isinstance(p, np.ndarray) for p in parts):
-        out: Any = _concat_numpy(parts, pool)
-    elif isinstance(dtype, pd.CategoricalDtype) or isinstance(first, pd.Categorical):
-        out = union_categoricals([pd.Categorical(p) for p in parts])
-        known = dtype.categories if isinstance(dtype, pd.CategoricalDtype) else None
-        if known is not None and out.categories.isin(known).all():
-            out = out.astype(dtype)
-        return out, int(out.nbytes)
-    elif same_type and all(arrow.is_arrow(p) for p in parts):
-        out, copied = _coalesce(parts, owned)
-    elif same_type:
-        out = type(first)._concat_same_type(parts)
-    else:
-        out = pd.concat([pd.Series(p, copy=False) for p in parts], ignore_index=True).array
-    if copied is None:
-        out = _contiguous(out)
-        copied = 0 if len(parts) == 1 and _same_memory(out, first) else int(out.nbytes)
-    target = output_dtype(out.dtype, dtype)
-    if out.dtype != target:
-        if isinstance(out, np.ndarray) and not isinstance(target, np.dtype):
-            out = pd.Series(out, copy=False).astype(target).array
-        else:
-            out = out.astype(target, copy=False)
-        copied = int(out.nbytes)
-    return out, copied
-
-
-def output_dtype(actual: Any, expected: Any) -> Any:
-    """The dtype of an output column whose rows came as ``actual``, where
-    meta says ``expected``.
-
-    Meta's where the cast keeps every value (int32 rows in an int64 column,
-    object strings in a string column); otherwise the type both fit, as
-    distributed's p2p gives (``find_common_type``, distributed issue 8183):
-    NaN that a left or outer join brought into an int64 column stays NaN in
-    float64, booleans with NaN stay object, and the output's dtype then
-    differs from meta's, as with ``p2p`` and ``tasks``.
-    """
-    if actual == expected:
-        return expected
-    if isinstance(expected, pd.StringDtype) and (
-        actual == np.dtype(object) or isinstance(actual, pd.StringDtype)
-    ):
-        return expected  # dask's meta often says string where rows are object
-    if (
-        isinstance(actual, np.dtype)
-        and isinstance(expected, np.dtype)
-        and np.can_cast(actual, expected, "safe")
-    ):
-        return expected
-    return find_common_type([actual, expected])
-
-
-#: An Arrow chunk of its own memory with at least this many rows stays a
-#: chunk of the output: below it, per-chunk costs of later uses outweigh
-#: the copy that joining it to its neighbours takes.  An output keeps at
-#: most one chunk per input partition it borrows from; dask's ``tasks``
-#: shuffle gives one chunk per input partition, whatever its size.
-_KEEP_CHUNK_ROWS = 1 << 12
-
-
-def _coalesce(parts: list[Any], owned: Sequence[bool | frozenset[int]]) -> tuple[Any, int]:
-    """Arrow-backed ``parts`` as one array, and the bytes copied for it.
-
-    A large chunk that owns its memory is kept as it is: rows taken from a
-    borrowed input, or rows received in buffers of their own (the sender
-    cuts its string columns at output partitions, :func:`_output_cuts`).
-    Combining it would copy every byte again, into fresh pages.  Runs of
-    the other chunks are combined into one chunk each: small ones would slow
-    every later use (``nbytes``, hence distributed's ``sizeof`` of each
-    output, ``take``, comparisons), and a view would keep the whole message
-    or read buffer it came in alive after the store released it.
-    """
-    chunks: list[pa.Array] = []
-    pending: list[pa.Array] = []
-    copied = 0
-    total = sum(part._pa_array.num_chunks for part in parts)
-
-    def combine() -> None:
-        nonlocal copied
-        if len(pending) > 1 or (pending and total > 1):
-            joined = pa.concat_arrays(pending)  # a copy, even of one chunk
-            copied += joined.nbytes
-            chunks.append(joined)
-        else:
-            chunks.extend(pending)  # the column's only chunk: kept, as it always was
-        pending.clear()
-
-    for part, own in zip(parts, owned, strict=True):
-        for chunk in part._pa_array.iterchunks():
-            if len(chunk) >= _KEEP_CHUNK_ROWS and (
-                own is True or (isinstance(own, frozenset) and arrow.made_of(chunk, own))
-            ):
-                combine()
-                chunks.append(chunk)
-            elif len(chunk):
-                pending.append(chunk)
-    combine()
-    return arrow.with_chunks(parts[0], chunks), copied
-
-
-def _contiguous(values: Any) -> Any:
-    """Arrow-backed ``values`` as one chunk: one copy of the string bytes."""
-    chunked = getattr(values, "_pa_array", None)
-    rebuild = getattr(values, "_from_pyarrow_array", None)
-    if isinstance(chunked, pa.ChunkedArray) and chunked.num_chunks > 1 and rebuild is not None:
-        return rebuild(chunked.combine_chunks())
-    return values
-
-
-def dtype_family(dtype: Any) -> str:
-    """A coarse kind of data: dtypes of one family can be cast to each other."""
-    if isinstance(dtype, pd.CategoricalDtype):
-        return "category"
-    if pd.api.types.is_bool_dtype(dtype) or pd.api.types.is_numeric_dtype(dtype):
-        return "number"
-    if isinstance(dtype, pd.DatetimeTZDtype):
-        return f"datetime[{dtype.tz}]"
-    if pd.api.types.is_datetime64_dtype(dtype):
-        return "datetime"
-    if pd.api.types.is_timedelta64_dtype(dtype):
-        return "timedelta"
-    if pd.api.types.is_string_dtype(dtype):
-        return "object"
-    return str(dtype)
-
-
-def _compatible(actual: Any, expected: Any) -> bool:
-    """Whether data of dtype ``actual`` can be cast to ``expected`` without loss.
-
-    dask's meta is often loose (an int column that became float where a
-    partition had nulls, object strings against string[pyarrow]); those are
-    cast at unpack.  Different kinds of data (numbers against strings, naive
-    against tz-aware timestamps) are an error in the input.
-    """
-    a, e = dtype_family(actual), dtype_family(expected)
-    if a == e:
-        return True
-    # Strings and categories of strings stand for each other; object columns
-    # may hold anything, including what meta describes.
-    return {a, e} <= {"object", "category"} or a == "object" or e == "object"
-
-
-def _plain_index(index: pd.Index) -> bool:
-    # An Index of an extension dtype (string, nullable ints) is no numpy array.
-    return (
-        type(index) in (pd.Index, pd.RangeIndex)
-        and isinstance(index.dtype, np.dtype)
-        and _poolable(np.empty(0, index.dtype))
-    )
-
-
-def _fill_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:
-    """The arrays an output column of ``dtype`` is filled into in place: plain
-    numpy data as itself, fixed-width extension arrays as their flat buffers
-    (:mod:`~gpushuffle.backends.flat`); None for the others."""
-    if isinstance(dtype, np.dtype):
-        return None if dtype.hasobject else (dtype,)
-    return flat.flat_dtypes(dtype)
-
-
-#: Pieces smaller than this are gathered and copied together.
-_BATCH_BYTES = 256 << 10
-_BATCH_PIECES = 256
-
-
-class _ColumnBuilder:
-    """One output column, filled piece by piece.
-
-    Pieces are copied straight into ``outs``, pooled arrays of the output's
-    length (one for numpy data, an extension array's flat buffers for the
-    fixed-width ones), so each piece can be released once copied.  Pieces
-    that do not fit (other dtypes, numpy data that would not cast safely, an
-    Arrow piece with nulls) are collected and concatenated at the end,
-    after what was filled until then.
-    """
-
-    def __init__(
-        self,
-        dtype: Any,
-        pool: HostBufferPool,
-        outs: tuple[np.ndarray, ...] | None,
-        index: bool = False,
-    ) -> None:
-        self.dtype = dtype
-        self.pool = pool
-        self.index = index
-        #: Filled as flat buffers of an extension dtype (else numpy data).
-        self.extension = not isinstance(dtype, np.dtype)
-        self.outs = outs
-        self.position = 0
-        self.copied = 0  # counted once, at the end (the counters take a lock)
-        self.parts: list[Any] = []
-        #: Per part: True for memory of its own (a take), else the addresses
-        #: of the received buffers that are (PandasTable.standalone).
-        self.owned: list[bool | frozenset[int]] = []
-
-    @property
-    def filling(self) -> bool:
-        """Whether pieces still go straight into ``outs``."""
-        return self.outs is not None
-
-    def _fits(self, values: Any) -> tuple[np.ndarray, ...] | None:
-        """``values`` as the arrays to copy into ``outs``, or None if it does not fit."""
-        if self.extension:
-            return flat.flat(values, self.dtype)
-        if isinstance(values, np.ndarray) and (
-            # can_cast costs ten times the comparison, once a column and piece
-            values.dtype == self.dtype or np.can_cast(values.dtype, self.dtype, "safe")
-        ):
-            return (values,)
-        return None
-
-    def _filled(self) -> Any:
-        """The rows filled so far, as an array of the column's dtype."""
-        assert self.outs is not None
-        outs = tuple(out[: self.position] for out in self.outs)
-        return flat.unflat(outs, self.dtype) if self.extension else outs[0]
-
-    def _stop_filling(self) -> None:
-        if self.outs is not None and self.position:
-            self.parts.append(self._filled())
-            self.owned.append(True)
-        self.outs = None
-
-    def add(self, values: Any, owned: bool | frozenset[int] = False) -> None:
-        n = len(values)
-        parts = self._fits(values) if self.filling else None
-        if parts is not None:
-            assert self.outs is not None
-            for out, part in zip(self.outs, parts, strict=True):
-                out[self.position : self.position + n] = part
-                self.copied += part.nbytes
-        else:
-            self._stop_filling()
-            self.parts.append(values)
-            self.owned.append(owned)
-        self.position += n
-
-    def add_taken(self, values: Any, rows: np.ndarray, arrow_rows: list[arrow.Positions]) -> None:
-        """:meth:`add` ``values.take(rows)``, gathered straight into the output
-        where it can be."""
-        n = len(rows)
-        parts: tuple[np.ndarray, ...] | None = None
-        if self.filling:
-            if self.extension:
-                parts = flat.flat(values, self.dtype)
-            elif type(values) is np.ndarray and values.dtype == self.dtype:
-                parts = (values,)
-        if parts is not None:
-            assert self.outs is not None
-            for out, part in zip(self.outs, parts, strict=True):
-                np.take(part, rows, out=out[self.position : self.position + n], mode="clip")
-                self.copied += n * part.itemsize
-            self.position += n
-            return
-        taken = _take_column(values, rows, arrow_rows, stage="unpack")
-        copies.count("unpack", int(taken.nbytes))
-        self.add(taken, owned=True)
-
-    def add_all(
-        self, values: list[Any], owned: Sequence[bool | frozenset[int]] | None = None
-    ) -> None:
-        """:meth:`add` each of ``values``; those that fit in one copy per buffer."""
-        if len(values) > 1 and self.filling:
-            assert self.outs is not None
-            if not self.extension and {(type(v), v.dtype) for v in values} == {
-                (np.ndarray, self.dtype)
-            }:
-                # numpy data of the column's dtype, the common case: one
-                # check for the batch (with many partitions a batch is
-                # hundreds of pieces of a row or two, and per-piece checks
-                # cost more than the copy).
-                n = sum([len(v) for v in values])
-                chunk = self.outs[0][self.position : self.position + n]
-                np.concatenate(values, out=chunk)
-                self.copied += chunk.nbytes
-                self.position += n
-                return
-            fits = [self._fits(v) for v in values]
-            fitting = [parts for parts in fits if parts is not None]
-            if len(fitting) == len(values):
-                n = sum(len(v) for v in values)
-                for k, out in enumerate(self.outs):
-                    chunk = out[self.position : self.position + n]
-                    np.concatenate([parts[k] for parts in fitting], out=chunk, casting="safe")
-                    self.copied += chunk.nbytes
-                self.position += n
-                return
-        for i, v in enumerate(values):
-            self.add(v, False if owned is None else owned[i])
-
-    def finish(self) -> Any:
-        copies.count("unpack", self.copied)
-        if self.outs is not None:
-            return self._filled()
-        if self.index:
-            out = _concat_index([pd.Index(p, copy=False) for p in self.parts], self.pool).values
-            if len(self.parts) != 1 or not _same_memory(out, self.parts[0]):
-                copies.count("unpack", int(out.nbytes))
-            return out
-        out, copied = _concat_column(self.parts, self.dtype, self.pool, self.owned)
-        copies.count("unpack", copied)
-        return out
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    """Whether ``a`` is ``b`` or a numpy view of it (no copy was made)."""
-    if a is b:
-        return True
-    return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
 
 
 def _check_picklable(name: Any, values: pd.Series, input_partition: int) -> None:

@@ -768,3 +768,32 @@ def test_join_of_persisted_sides_borrows_and_matches_pandas():
             )
             assert copied < 0.8 * sent_or_kept, (copied, sent_or_kept)
         assert_nothing_left_behind(client)
+
+
+@pytest.mark.parametrize(
+    "visible, nvml_count, expected",
+    [
+        ("0", 8, 2),  # both workers pinned to GPU 0 of eight: they share it
+        ("0,1", 8, 1),  # dask-cuda's layout: each worker sees every GPU, rotated
+        (None, 2, 1),  # nothing set: NVML's count of the host's GPUs
+        (None, 1, 2),
+        ("", 8, 2),  # no GPU visible: count every local worker
+    ],
+)
+def test_workers_sharing_a_gpu_count_only_the_gpus_this_process_may_use(
+    monkeypatch, visible, nvml_count, expected
+):
+    """The device budget is split among the workers that share a GPU; NVML
+    counts every GPU of the host, so two workers pinned to one GPU of eight
+    would each budget as if they had it alone (docs/gpu-calls.md, S3)."""
+    from distributed.diagnostics import nvml
+
+    from gpushuffle.engine.run import _workers_sharing_the_gpu
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(nvml, "device_get_count", lambda: nvml_count)
+    workers = ["tcp://10.0.0.1:1000", "tcp://10.0.0.1:1001", "tcp://10.0.0.2:1000"]
+    assert _workers_sharing_the_gpu("tcp://10.0.0.1:1000", workers) == expected

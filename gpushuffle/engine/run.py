@@ -641,19 +641,31 @@ def _receive_buffer(nbytes: int) -> np.ndarray:
 def _workers_sharing_the_gpu(address: str, workers: Iterable[str]) -> int:
     """How many workers of a run likely share this worker's GPU.
 
-    Workers on the same host as ``address``, spread over the host's GPUs
-    (NVML counts them without a CUDA context): dask-cuda runs one worker per
-    GPU (1), two workers on a one-GPU machine share it (2).
+    Workers on the same host as ``address``, spread over the GPUs this
+    process may use: dask-cuda runs one worker per GPU (1), two workers on a
+    one-GPU machine, or pinned to one GPU of many, share it (2).
     """
     host = get_address_host(address)
     local = len({w for w in workers if get_address_host(w) == host} | {address})
+    return max(1, -(-local // max(1, _visible_gpus())))
+
+
+def _visible_gpus() -> int:
+    """The GPUs this process may use, as dask-cuda counts them
+    (``dask_cuda.utils.get_n_gpus``, 26.10): the entries of
+    ``CUDA_VISIBLE_DEVICES`` where it is set, else NVML's count of the host's
+    GPUs (no CUDA context is opened).  NVML alone counts every GPU of the host
+    and so undercounts workers pinned to one of several.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
     try:
         from distributed.diagnostics import nvml
 
-        gpus = nvml.device_get_count()
+        return int(nvml.device_get_count())
     except Exception:
-        gpus = 0
-    return max(1, -(-local // max(1, gpus)))
+        return 0
 
 
 # -- the spec: what the scheduler and workers need to start a run -------------

@@ -10,15 +10,21 @@ written in the code.  Methods of the objects they return (``column.type()``)
 are not visible here; the table lists them too, and the GPU type check
 (ci/typecheck_gpu.sh) holds them against pylibcudf's stubs.
 
+Table 1's second cell says where each call is made (``cudf.py:345, 518``);
+those locations must be the code's.
+
     python ci/gpu_calls.py          # exits 1 naming each call without a row
+                                    # and each row whose locations are stale
+    python ci/gpu_calls.py --update # rewrites table 1's locations from the code
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +40,9 @@ RAPIDS = (
     "dask_cuda",
     "distributed.diagnostics.nvml",
 )
+
+#: The table's shorthand for two paths; other paths are relative to gpushuffle/.
+SHORT = {"gpushuffle/backends/cudf.py": "cudf.py", "gpushuffle/engine/join.py": "join.py"}
 
 
 def _is_rapids(module: str) -> bool:
@@ -82,14 +91,18 @@ def rapids_calls(package: Path = PACKAGE) -> dict[str, list[str]]:
     return dict(calls)
 
 
+def _names(cell: str) -> list[str]:
+    """The calls a first cell names, in backticks (``name(args)`` as ``name``)."""
+    return [re.sub(r"\(.*\)$", "", name) for name in re.findall(r"`([^`]+)`", cell)]
+
+
 def documented(table: Path = TABLE) -> set[str]:
     """The calls the evidence table has a row for (first cell, in backticks)."""
     rows = set()
     for line in table.read_text().splitlines():
         if line.startswith("|"):
-            first = line.split("|")[1]
-            rows.update(re.findall(r"`([^`]+)`", first))
-    return {re.sub(r"\(.*\)$", "", row) for row in rows}
+            rows.update(_names(line.split("|")[1]))
+    return rows
 
 
 def missing(package: Path = PACKAGE, table: Path = TABLE) -> dict[str, list[str]]:
@@ -97,11 +110,83 @@ def missing(package: Path = PACKAGE, table: Path = TABLE) -> dict[str, list[str]
     return {name: where for name, where in rapids_calls(package).items() if name not in rows}
 
 
-def main() -> int:
+def _rows(text: str) -> list[tuple[int, list[str]]]:
+    """Table 1's rows: (line index, cells split on ``|``)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## 1."))
+    rows = []
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("## "):
+            break
+        cells = lines[i].split("|")
+        if lines[i].startswith("|") and "`" in cells[1]:  # not the header or rule
+            rows.append((i, cells))
+    return rows
+
+
+def _locations(cell: str) -> set[str]:
+    """``cudf.py:345, 518, config.py:74`` -> full path:line each (notes in brackets dropped)."""
+    where, path, full = set(), "", {short: path for path, short in SHORT.items()}
+    for item in re.sub(r"\([^)]*\)", "", cell).split(","):
+        item = item.strip()
+        if ":" in item:
+            short, item = item.rsplit(":", 1)
+            path = full.get(short, f"gpushuffle/{short}")
+        if item:
+            where.add(f"{path}:{item}")
+    return where
+
+
+def _cell(where: list[str]) -> str:
+    """Locations in the table's shorthand: each path once, its lines after it."""
+    by_path: dict[str, Counter[int]] = defaultdict(Counter)
+    for location in where:
+        path, number = location.rsplit(":", 1)
+        by_path[path][int(number)] += 1
+    items = []
+    for path, lines in sorted(by_path.items()):
+        short = SHORT.get(path, path.removeprefix("gpushuffle/"))
+        for n, (line, times) in enumerate(sorted(lines.items())):
+            note = {1: "", 2: " (twice)"}.get(times, f" ({times} times)")
+            items.append(f"{short + ':' if n == 0 else ''}{line}{note}")
+    return ", ".join(items)
+
+
+def stale(package: Path = PACKAGE, table: Path = TABLE) -> dict[str, tuple[str, str]]:
+    """Table 1's rows whose locations are not the code's: first cell -> (doc's, code's)."""
+    calls = rapids_calls(package)
+    wrong = {}
+    for _, cells in _rows(table.read_text()):
+        where = [w for name in _names(cells[1]) for w in calls.get(name, [])]
+        if _locations(cells[2]) != set(where):
+            wrong[cells[1].strip()] = (cells[2].strip(), _cell(where))
+    return wrong
+
+
+def update(package: Path = PACKAGE, table: Path = TABLE) -> None:
+    """Rewrite table 1's second cells from the code."""
+    calls = rapids_calls(package)
+    lines = table.read_text().splitlines(keepends=True)
+    for i, cells in _rows("".join(lines)):
+        cells[2] = f" {_cell([w for name in _names(cells[1]) for w in calls.get(name, [])])} "
+        lines[i] = "|".join(cells) + "\n"
+    table.write_text("".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check docs/gpu-calls.md against the code.")
+    parser.add_argument("--update", action="store_true", help="rewrite table 1's locations")
+    if parser.parse_args(argv).update:
+        update()
     gaps = missing()
     for name, where in sorted(gaps.items()):
         print(f"no row in {TABLE.relative_to(ROOT)} for `{name}` (called at {', '.join(where)})")
-    return 1 if gaps else 0
+    wrong = stale()
+    for row, (doc, code) in sorted(wrong.items()):
+        print(f"stale row {row} in {TABLE.relative_to(ROOT)}: says {doc!r}, the code has {code!r}")
+    if wrong:
+        print("python ci/gpu_calls.py --update rewrites the locations from the code")
+    return 1 if gaps or wrong else 0
 
 
 if __name__ == "__main__":

@@ -408,7 +408,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
         cluster_cm: Any = LocalCUDACluster(
             n_workers=min(workers, plan.gpus),
             dashboard_address=":0",
-            preload=embedded_worker_preloads(),  # as the CPU branch and job.py do
+            preload=embedded_worker_preloads(),  # as the CPU branch and cluster.connect do
             **rmm_options("pool"),
         )
     else:

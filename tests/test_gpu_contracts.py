@@ -80,10 +80,8 @@ def test_join_ids_of_a_device_frame_never_pass_through_host_memory(monkeypatch):
     assert assigned.dtype == np.uint8 and assigned.tolist() == [3, 0, 3, 1]
 
 
-def test_every_rapids_call_has_a_row_of_upstream_evidence():
-    """docs/gpu-calls.md holds, per RAPIDS call in the package, the upstream
-    code or test that makes the same call with the same types
-    (ci/gpu_calls.py finds the calls)."""
+def _gpu_calls():
+    """ci/gpu_calls.py, imported by path (ci/ is not a package)."""
     import importlib.util
     from pathlib import Path
 
@@ -92,6 +90,34 @@ def test_every_rapids_call_has_a_row_of_upstream_evidence():
     assert spec is not None and spec.loader is not None
     gpu_calls = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_calls)
+    return gpu_calls
+
+
+def test_every_rapids_call_has_a_row_of_upstream_evidence():
+    """docs/gpu-calls.md holds, per RAPIDS call in the package, the upstream
+    code or test that makes the same call with the same types
+    (ci/gpu_calls.py finds the calls), and says where the package makes it."""
+    gpu_calls = _gpu_calls()
     calls = gpu_calls.rapids_calls()
     assert "plc.copying.gather" in calls and "ColumnBase.create" in calls  # it finds them
     assert gpu_calls.missing() == {}, "add a row to docs/gpu-calls.md for each"
+    assert gpu_calls.stale() == {}, "run python ci/gpu_calls.py --update"
+
+
+def test_a_stale_location_in_the_table_is_caught(tmp_path):
+    """One line number off in a row's second cell (a later line of the same
+    file, in the shorthand): the check names the row with the code's lines,
+    and --update's rewrite puts them back."""
+    gpu_calls = _gpu_calls()
+    text = gpu_calls.TABLE.read_text()
+    line = next(row for row in text.splitlines() if row.startswith("| `ColumnBase.create` |"))
+    cells = line.split("|")
+    first, *rest = cells[2].split(",")
+    wrong = f"{first}, {int(rest[0]) + 1},{','.join(rest[1:])}"
+    table = tmp_path / "gpu-calls.md"
+    table.write_text(text.replace(line, "|".join([*cells[:2], wrong, *cells[3:]])))
+    assert gpu_calls.stale(table=table) == {
+        "`ColumnBase.create`": (wrong.strip(), cells[2].strip())
+    }
+    gpu_calls.update(table=table)
+    assert table.read_text() == text

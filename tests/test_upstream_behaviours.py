@@ -247,3 +247,84 @@ def test_drop_duplicates_keeps_the_row_pandas_keeps(client, keep):
             df.drop_duplicates(subset=["name"], keep=keep, split_out=df.npartitions), df
         )
     assert_eq(result, expected.drop_duplicates(subset=["name"], keep=keep))
+
+
+# -- a stale run replaced by a newer one ---------------------------------------------
+
+
+def _run_manager_blocking_tasks_and_fails() -> type:
+    from distributed.shuffle._worker_plugin import _ShuffleRunManager
+
+    class BlockedTasksAndFails(_ShuffleRunManager):
+        """TEST DOUBLE around distributed's real run manager, as upstream's
+        ``BlockedShuffleAccessAndFailShuffleRunManager``: task-side lookups
+        wait until released, and the scheduler's "fail" is ignored until
+        allowed (a message that has not arrived yet)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            import asyncio
+
+            self.release_tasks = asyncio.Event()
+            self.release_receives = asyncio.Event()
+            self.received = asyncio.Event()
+            self.allow_fail = False
+
+        async def get_or_create(self, *args: Any, **kwargs: Any) -> Any:
+            await self.release_tasks.wait()
+            return await super().get_or_create(*args, **kwargs)
+
+        async def get_with_run_id(self, *args: Any, **kwargs: Any) -> Any:
+            await self.release_receives.wait()
+            run = await super().get_with_run_id(*args, **kwargs)
+            self.received.set()
+            return run
+
+        def fail(self, *args: Any, **kwargs: Any) -> None:
+            if self.allow_fail:
+                super().fail(*args, **kwargs)
+
+    return BlockedTasksAndFails
+
+
+@mock.patch(
+    "distributed.shuffle._worker_plugin._ShuffleRunManager", _run_manager_blocking_tasks_and_fails()
+)
+@cluster_test(n_workers=2)
+async def test_a_stale_run_is_replaced_when_a_peer_sends_for_a_newer_one(c, s, a, b):
+    """test_replace_stale_shuffle: B still holds a run the scheduler has
+    failed (the message has not reached it) when the shuffle runs again; the
+    first shard A sends for the new run replaces it, and the result is right.
+    (Upstream's own test, run with gpushuffle substituted, hung; probably in
+    its wait for tasks named ``shuffle-transfer``, which gpushuffle names
+    ``gpushuffle-transfer``: this port passes with the same blocking.)"""
+    runs_a, runs_b = (w.plugins["shuffle"].shuffle_runs for w in (a, b))
+    runs_a.allow_fail = True
+    runs_a.release_tasks.set()
+    runs_a.release_receives.set()
+    runs_b.release_receives.set()  # B takes shards but runs none of its tasks
+
+    expected = truth(NIN, ROWS, NOUT)
+    out = c.persist(gpushuffled(NIN, ROWS, NOUT))
+    shuffle_id = await wait_for_shuffle(s)
+    await wait_for_tasks(s, TRANSFER, "memory", 1, a.address)
+    await runs_b.received.wait()
+    stale = runs_b._active_runs[shuffle_id]
+
+    del out
+    await wait_for(lambda: not s.tasks, what="the scheduler to forget the shuffle")
+    await wait_for(lambda: shuffle_id not in runs_a._active_runs, what="A to close its run")
+    assert runs_b._active_runs.get(shuffle_id) is stale and not stale.closed
+
+    runs_b.received.clear()
+    runs_b.allow_fail = True
+    out = c.persist(gpushuffled(NIN, ROWS, NOUT))
+    await runs_b.received.wait()
+    run = runs_b._active_runs[shuffle_id]
+    assert run is not stale and run.run_id > stale.run_id
+    await stale._closed_event.wait()
+
+    runs_b.release_tasks.set()
+    assert_correct(await parts_of(c, out), expected)
+    del out
+    await finish(c, s)

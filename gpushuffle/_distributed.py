@@ -117,6 +117,7 @@ def pin_output_tasks(
     pinned = 0
     try:
         for scheduler in list(Scheduler._instances):
+            scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
             barrier = scheduler.tasks.get(key)
             plugin = scheduler.plugins.get("shuffle")
             if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
@@ -142,7 +143,45 @@ def pin_output_tasks(
     return pinned
 
 
+#: The scheduler handler a run asks to send an output task to its worker.
+RESTRICT_OUTPUT_TASK = "gpushuffle_restrict_output_task"
+
+
+def _restrict_handler(scheduler: Scheduler) -> Callable[..., dict[str, Any]]:
+    """The :data:`RESTRICT_OUTPUT_TASK` handler of ``scheduler`` (a named
+    function: distributed's handlers are named after their ``__name__``)."""
+
+    def gpushuffle_restrict_output_task(
+        id: ShuffleId, run_id: int, key: Any, worker: str
+    ) -> dict[str, Any]:
+        return _restrict_output_task(scheduler, id, run_id, key, worker)
+
+    return gpushuffle_restrict_output_task
+
+
+def _restrict_output_task(
+    scheduler: Scheduler, id: ShuffleId, run_id: int, key: Any, worker: str
+) -> dict[str, Any]:
+    """distributed's ``shuffle_restrict_task``, for tasks gpushuffle pinned.
+
+    The scheduler plugin's ``_set_restriction`` does nothing to a task whose
+    original restrictions it has recorded (every task :func:`pin_output_tasks`
+    pinned), so a task restricted elsewhere since (by the user, or another
+    plugin) would be sent back to that worker, raise ``Reschedule`` there and
+    come back, forever.  This restricts it to its worker either way; the
+    original restrictions recorded at the pin are still restored when the run
+    ends.
+    """
+    result: dict[str, Any] = scheduler.plugins["shuffle"].restrict_task(  # type: ignore[attr-defined]
+        id=id, run_id=run_id, key=key, worker=worker
+    )
+    if result["status"] == "OK":
+        scheduler.set_restrictions({key: {worker}})
+    return result
+
+
 __all__ = [
+    "RESTRICT_OUTPUT_TASK",
     "Alias",
     "Assign",
     "AssignPartitioningIndex",

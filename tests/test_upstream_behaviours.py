@@ -20,9 +20,11 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.dataframe.utils import assert_eq
+from dask.utils import key_split
 from distributed import Event
 from faults import (
     TRANSFER,
+    UNPACK,
     assert_correct,
     cluster_test,
     gpushuffled,
@@ -31,7 +33,7 @@ from faults import (
     wait_for_shuffle,
     wait_for_tasks,
 )
-from test_faults import NIN, NOUT, ROWS, finish, parts_of
+from test_faults import NIN, NOUT, ROWS, BlockedInputsDone, finish, held_at_barrier, parts_of
 
 from gpushuffle.backends.pandas import PandasBackend
 from gpushuffle.engine.memory import reset_worker_memory
@@ -328,3 +330,26 @@ async def test_a_stale_run_is_replaced_when_a_peer_sends_for_a_newer_one(c, s, a
     assert_correct(await parts_of(c, out), expected)
     del out
     await finish(c, s)
+
+
+# -- a worker that joins during the shuffle ------------------------------------------
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", BlockedInputsDone)
+@cluster_test(n_workers=1)
+async def test_an_output_restricted_to_a_worker_that_joined_late_is_built_where_it_belongs(c, s, a):
+    """test_unpack_gets_rescheduled_from_non_participating_worker: a worker
+    that joins at the barrier takes no part in the run; an output task
+    restricted to it is sent back to the worker that holds its shards."""
+    from distributed import Worker
+
+    expected = truth(NIN, ROWS, NOUT)
+    futures, shuffle_id, runs = await held_at_barrier(c, s, (a,))
+    async with Worker(s.address, nthreads=1) as late:
+        key = next(k for k in s.tasks if key_split(k) == UNPACK)
+        s.set_restrictions({key: {late.address}})
+        runs[a].block_inputs_done.set()
+        assert_correct(await c.gather(futures), expected)
+        assert shuffle_id not in late.plugins["shuffle"].shuffle_runs._active_runs
+        del futures
+        await finish(c, s)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
+from distributed import Reschedule
 from distributed.comm import get_address_host
 from distributed.core import ErrorMessage, OKMessage, Status
 from distributed.metrics import context_meter, thread_time
@@ -26,6 +27,7 @@ from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
 from gpushuffle._distributed import (
+    RESTRICT_OUTPUT_TASK,
     ResourceLimiter,
     ShuffleClosedError,
     ShuffleRun,
@@ -579,6 +581,24 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def _get_assigned_worker(self, i: int) -> str:
         return self.worker_for[i]
+
+    async def _ensure_output_worker(self, i: int, key: Key) -> None:
+        """Send output task ``key`` to the worker that builds partition ``i``
+        (``Reschedule``), through the handler that restricts pinned tasks too
+        (``_distributed.RESTRICT_OUTPUT_TASK``)."""
+        assigned = self._get_assigned_worker(i)
+        if assigned == self.local_address:
+            return
+        restrict = getattr(self.scheduler, RESTRICT_OUTPUT_TASK)
+        result = await restrict(id=self.id, run_id=self.run_id, key=key, worker=assigned)
+        if not isinstance(result, dict):
+            # No such handler (pinning failed before registering it): nothing
+            # was pinned either, and distributed's way works.
+            await super()._ensure_output_worker(i, key)
+            return
+        if result["status"] == "error":
+            raise RuntimeError(result["message"])
+        raise Reschedule()
 
     # -- bookkeeping ------------------------------------------------------
 

@@ -353,3 +353,27 @@ async def test_an_output_restricted_to_a_worker_that_joined_late_is_built_where_
         assert shuffle_id not in late.plugins["shuffle"].shuffle_runs._active_runs
         del futures
         await finish(c, s)
+
+
+# -- the disk taken away ------------------------------------------------------------
+
+
+@cluster_test(n_workers=2, config={"gpushuffle.memory.host-limit": "1 MiB"})
+async def test_local_directories_removed_during_the_shuffle(c, s, a, b):
+    """test_bad_disk: both workers' local directories are deleted (a scratch
+    cleaner, a reset mount) as the run starts, before shards spill to them.
+    p2p fails the shuffle; gpushuffle makes its spill directory when it first
+    spills, so the shuffle succeeds, with every row once and nothing left."""
+    import shutil
+
+    from gpushuffle.engine.memory import worker_memory
+
+    out = c.persist(gpushuffled(NIN, ROWS, NOUT))
+    shuffle_id = await wait_for_shuffle(s)
+    for w in (a, b):
+        await wait_for(lambda w=w: shuffle_id in w.plugins["shuffle"].shuffle_runs._active_runs)
+        shutil.rmtree(w.local_directory)
+    assert_correct(await parts_of(c, out), truth(NIN, ROWS, NOUT))
+    assert worker_memory().snapshot()["host_to_disk_bytes"] > 0, "nothing spilled"
+    del out
+    await finish(c, s)

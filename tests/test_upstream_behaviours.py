@@ -26,6 +26,7 @@ from faults import (
     TRANSFER,
     UNPACK,
     assert_correct,
+    assert_scheduler_clean,
     cluster_test,
     gpushuffled,
     truth,
@@ -36,7 +37,8 @@ from faults import (
 from test_faults import NIN, NOUT, ROWS, BlockedInputsDone, finish, held_at_barrier, parts_of
 
 from gpushuffle.backends.pandas import PandasBackend
-from gpushuffle.engine.memory import reset_worker_memory
+from gpushuffle.engine.memory import reset_worker_memory, worker_memory
+from gpushuffle.engine.run import GPUShuffleRun
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -366,8 +368,6 @@ async def test_local_directories_removed_during_the_shuffle(c, s, a, b):
     spills, so the shuffle succeeds, with every row once and nothing left."""
     import shutil
 
-    from gpushuffle.engine.memory import worker_memory
-
     out = c.persist(gpushuffled(NIN, ROWS, NOUT))
     shuffle_id = await wait_for_shuffle(s)
     for w in (a, b):
@@ -377,3 +377,52 @@ async def test_local_directories_removed_during_the_shuffle(c, s, a, b):
     assert worker_memory().snapshot()["host_to_disk_bytes"] > 0, "nothing spilled"
     del out
     await finish(c, s)
+
+
+# -- an error where shards are received ----------------------------------------------
+
+#: The worker whose receipt of shards fails (set by the test).
+_FAILING_RECEIVER: list[str] = []
+
+
+class _ReceiveFails(GPUShuffleRun):
+    """A run whose receipt of shards from peers raises on one worker."""
+
+    async def _receive(self, data: Any) -> None:
+        if self.local_address in _FAILING_RECEIVER:
+            raise ValueError("boom: receiving failed")
+        await super()._receive(data)
+
+
+@mock.patch("gpushuffle.engine.run.GPUShuffleRun", _ReceiveFails)
+@cluster_test(n_workers=2, config={"gpushuffle.comm.same-host-reads": False})
+async def test_an_error_receiving_shards_fails_the_shuffle_with_its_cause(c, s, a, b):
+    """test_error_receive: the shuffle fails, in p2p's words, with the
+    receiver's error in its causes, and nothing is left behind."""
+    _FAILING_RECEIVER[:] = [b.address]
+    try:
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT))
+        # Small shards wait for more until the inputs are done (the barrier):
+        # the receiver's error may come back from there.
+        phase = r"^P2P \w+ failed during (transfer|barrier) phase"
+        with pytest.raises(RuntimeError, match=phase) as info:
+            await futures
+    finally:
+        _FAILING_RECEIVER.clear()
+    causes = []
+    error: BaseException | None = info.value
+    while error is not None:
+        causes.append(error)
+        error = error.__cause__
+    assert any("boom: receiving failed" in str(e) for e in causes), causes
+    del futures, info, causes, error
+    # Where the receiver's error fails the barrier, the scheduler keeps the
+    # shuffle, and the workers their failed runs, until the erred tasks are
+    # forgotten (distributed's plugin, as for p2p): here when the client goes.
+    await c.close()
+    await wait_for(
+        lambda: not any(w.plugins["shuffle"].shuffle_runs._active_runs for w in (a, b)),
+        what="the failed runs to close",
+    )
+    assert worker_memory().snapshot()["host_bytes"] == 0
+    await assert_scheduler_clean(s)

@@ -152,12 +152,17 @@ def _cell(where: list[str]) -> str:
     return ", ".join(items)
 
 
+def _called_at(cells: list[str], calls: dict[str, list[str]]) -> list[str]:
+    """Where the code makes the calls a row's first cell names (path:line each)."""
+    return [w for name in _names(cells[1]) for w in calls.get(name, [])]
+
+
 def stale(package: Path = PACKAGE, table: Path = TABLE) -> dict[str, tuple[str, str]]:
     """Table 1's rows whose locations are not the code's: first cell -> (doc's, code's)."""
     calls = rapids_calls(package)
     wrong = {}
     for _, cells in _rows(table.read_text()):
-        where = [w for name in _names(cells[1]) for w in calls.get(name, [])]
+        where = _called_at(cells, calls)
         if _locations(cells[2]) != set(where):
             wrong[cells[1].strip()] = (cells[2].strip(), _cell(where))
     return wrong
@@ -168,7 +173,7 @@ def update(package: Path = PACKAGE, table: Path = TABLE) -> None:
     calls = rapids_calls(package)
     lines = table.read_text().splitlines(keepends=True)
     for i, cells in _rows("".join(lines)):
-        cells[2] = f" {_cell([w for name in _names(cells[1]) for w in calls.get(name, [])])} "
+        cells[2] = f" {_cell(_called_at(cells, calls))} "
         lines[i] = "|".join(cells) + "\n"
     table.write_text("".join(lines))
 

@@ -550,7 +550,10 @@ def statistics(client: Any) -> Any:
     between tiers each way (``host_to_disk_bytes``, ``disk_to_host_seconds``,
     ...); ``spilled_bytes`` (device -> host plus host -> disk); ``runs``;
     ``pause_sheds`` (groups of shards moved to disk while distributed had the
-    worker paused for its memory); the
+    worker paused for its memory); ``output_sheds`` (groups moved to disk
+    before a run's outputs were built, where the largest output partition
+    and what the worker held would pass distributed's ``spill`` fraction of
+    its memory limit); the
     host buffer pool's counters (``host_pool_...``); and what crossed the
     wire (``wire_shards_sent``, ``wire_shards_serialized``,
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,

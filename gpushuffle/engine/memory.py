@@ -61,6 +61,9 @@ class WorkerMemory:
     #: Groups of shards moved to disk because distributed paused the worker
     #: for its memory (``ShardStore.shed_host``), all runs.
     pause_sheds: int = 0
+    #: Groups moved to disk as a run's first output was built, to make room
+    #: for its largest output partition (``GPUShuffleRun._make_room_for_outputs``).
+    output_sheds: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the
     #: store to take them: not yet charged to any tier.
     waiting: int = 0
@@ -94,10 +97,14 @@ class WorkerMemory:
         with self._lock:
             self.waiting += nbytes
 
-    def shed(self) -> None:
-        """One group moved to disk because the worker was paused."""
+    def shed(self, for_outputs: bool = False) -> None:
+        """One group moved to disk because the worker was paused, or (``for_outputs``)
+        to make room for an output partition."""
         with self._lock:
-            self.pause_sheds += 1
+            if for_outputs:
+                self.output_sheds += 1
+            else:
+                self.pause_sheds += 1
 
     def moved(self, source: str, target: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -122,6 +129,7 @@ class WorkerMemory:
             row["spilled_bytes"] = row["device_to_host_bytes"] + row["host_to_disk_bytes"]
             row["runs"] = self.runs_started
             row["pause_sheds"] = self.pause_sheds
+            row["output_sheds"] = self.output_sheds
             return row
 
 

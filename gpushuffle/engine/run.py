@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import dask
 import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
@@ -270,6 +271,58 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 raise
             await super().inputs_done()
 
+    def _memory_held(self) -> tuple[int, int, str]:
+        """The limit the outputs are built within, what the worker holds of
+        it now, and the limit's name for messages."""
+        if self.backend.tier == DEVICE:
+            memory = worker_memory()
+            return (
+                memory.device_share or 0,
+                memory.device.bytes,
+                "this worker's share of device memory",
+            )
+        import psutil
+
+        limit = config.worker_memory_limit()
+        # Free pool blocks take the outputs (HostBufferPool.empty_buffers).
+        held = psutil.Process().memory_info().rss - host_pool().usage()["free"]
+        return limit, max(0, held), "this worker's memory limit"
+
+    def _make_room_for_outputs(self) -> None:
+        """Move the store's host tier to disk before the first output is
+        built, where building the largest would take the worker past
+        distributed's ``spill`` fraction of its memory limit.
+
+        Every shard is in now, and the pieces of the partitions not being
+        built stay in memory, sharing received buffers with the partition
+        that is: a hot partition of half the limit, on top of the worker's
+        own memory and a full host budget, came within a few percent of the
+        Nanny's restart (seen in CI on 1 GiB workers).  Building it from disk
+        holds the output and one piece at a time.
+        """
+        if self.backend.tier == DEVICE or not self.store.statistics.host_bytes:
+            return
+        sizes = self.store.partition_sizes()
+        if not sizes:
+            return
+        limit, held, _ = self._memory_held()
+        largest = max(size.nbytes for size in sizes.values())
+        tight_at = _spill_fraction()
+        if limit <= 0 or held + largest <= tight_at * limit:
+            return
+        in_memory = self.store.statistics.host_bytes
+        moved = sync(self._loop, self.store.shed_host, True)
+        if moved:
+            logger.info(
+                "%s: the largest output partition (%d MiB) and the %d MiB the worker holds "
+                "pass %.0f%% of its memory limit; moved %d MiB of received shards to disk first",
+                self,
+                largest >> 20,
+                held >> 20,
+                100 * tight_at,
+                (in_memory - self.store.statistics.host_bytes) >> 20,
+            )
+
     def _check_outputs_fit(self) -> None:
         """Fail the shuffle's unpack, with the reason, where an output
         partition cannot be built on this worker (engine/outputs.py): what the
@@ -280,21 +333,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         its peers have flushed their sends to it).  Every unpack of the run
         then raises the same error, so that the partition is never built.
         """
-        if self.backend.tier == DEVICE:
-            memory = worker_memory()
-            limit, held = memory.device_share or 0, memory.device.bytes
-            what = "this worker's share of device memory"
-        else:
-            import psutil
-
-            limit = config.worker_memory_limit()
-            # Free pool blocks take the outputs (HostBufferPool.empty_buffers).
-            held = psutil.Process().memory_info().rss - host_pool().usage()["free"]
-            what = "this worker's memory limit"
+        limit, held, what = self._memory_held()
         check_outputs_fit(
             self.store.partition_sizes(),
             limit,
-            max(0, held),
+            held,
             fail_at=float(config.get("memory.output-fail")),
             warn_at=float(config.get("memory.output-warn")),
             where=f"{self.id} on {self.local_address}",
@@ -567,11 +610,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # the store holds the most.  So do inputs the worker let go of during
         # the transfer (distributed spilled them) that borrowed rows still hold.
         if self.store.start_unpack():
+            sync(self._loop, self.store.release_let_go_inputs)
+            self._make_room_for_outputs()
             try:
                 self._check_outputs_fit()
             except ShuffleOutputTooLargeError as e:
                 self._too_large = e
-            sync(self._loop, self.store.release_let_go_inputs)
         if self._too_large is not None:
             raise self._too_large
         nrows, tables = self.store.read(partition_id)
@@ -757,3 +801,13 @@ class GPUShuffleSpec(ShuffleSpec[int]):
             span_id=span_id,
             plugin=plugin,
         )
+
+
+def _spill_fraction() -> float:
+    """distributed's ``spill`` fraction of a worker's memory limit (where it
+    moves its own data to disk), ``target`` where that is off, else 0.7."""
+    for name in ("spill", "target"):
+        fraction = dask.config.get(f"distributed.worker.memory.{name}", default=False)
+        if fraction:
+            return float(fraction)
+    return 0.7

@@ -116,6 +116,8 @@ class StoreStatistics:
     bytes_borrowed: int = 0
     #: Groups moved to disk while distributed had the worker paused (:meth:`ShardStore.shed_host`).
     groups_shed: int = 0
+    #: Groups moved to disk before the first output was built, to make room for it.
+    groups_shed_for_outputs: int = 0
     partitions_read: int = 0
     device_bytes: int = 0
     host_bytes: int = 0
@@ -286,7 +288,7 @@ class ShardStore:
             self._recharge_borrowed()
             await self._move_down_while_over()
 
-    async def shed_host(self) -> int:
+    async def shed_host(self, for_outputs: bool = False) -> int:
         """Move to disk every host group whose move frees memory; returns how
         many groups moved.
 
@@ -294,8 +296,10 @@ class ShardStore:
         transfer, no unpack) until its memory drops, and a store within its
         budget would keep what it holds, so the shuffle would never go on
         (seen on 600 MiB workers: paused at 87% with 237 MB of received
-        shards in memory, under a 256 MiB budget).  Rows borrowed from an
-        input the worker still holds stay: moving them would copy them out
+        shards in memory, under a 256 MiB budget).  And ``for_outputs``, for
+        a worker about to build an output partition that, with what the
+        store holds in memory, would leave it too little.  Rows borrowed from
+        an input the worker still holds stay: moving them would copy them out
         and free nothing.
         """
         if not self._memory.disk_enabled or not self._groups:
@@ -308,8 +312,11 @@ class ShardStore:
             while (group := self._oldest_movable(HOST, fallback=False)) is not None:
                 await self._move_down(group)
                 moved += 1
-                self.statistics.groups_shed += 1
-                self._memory.shed()
+                if for_outputs:
+                    self.statistics.groups_shed_for_outputs += 1
+                else:
+                    self.statistics.groups_shed += 1
+                self._memory.shed(for_outputs)
         return moved
 
     def _recharge_borrowed(self, every_time: bool = True) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Awaitable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -132,6 +133,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
         self._inputs_done_started = False
         self._too_large: ShuffleOutputTooLargeError | None = None
+        # Set once the first unpack has made room for the outputs and checked
+        # that they fit: other task threads wait for it before building any.
+        self._outputs_checked = threading.Event()
         self._inputs_done_lock = asyncio.Lock()
         self.store = ShardStore(
             backend=self.backend,
@@ -311,7 +315,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if limit <= 0 or held + largest <= tight_at * limit:
             return
         in_memory = self.store.statistics.host_bytes
-        moved = sync(self._loop, self.store.shed_host, True)
+        try:
+            moved = sync(self._loop, self.store.shed_host, True)
+        except OSError as e:
+            # A full or failing disk: the outputs are built from memory, as
+            # they would have been; a put that needs the disk reports it.
+            logger.warning("%s: moving received shards to disk for the outputs failed: %r", self, e)
+            return
         if moved:
             logger.info(
                 "%s: the largest output partition (%d MiB) and the %d MiB the worker holds "
@@ -610,12 +620,22 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # the store holds the most.  So do inputs the worker let go of during
         # the transfer (distributed spilled them) that borrowed rows still hold.
         if self.store.start_unpack():
-            sync(self._loop, self.store.release_let_go_inputs)
-            self._make_room_for_outputs()
             try:
+                sync(self._loop, self.store.release_let_go_inputs)
+                self._make_room_for_outputs()
                 self._check_outputs_fit()
             except ShuffleOutputTooLargeError as e:
                 self._too_large = e
+            finally:
+                self._outputs_checked.set()
+        else:
+            # Another thread's first unpack is moving shards to disk or
+            # checking the outputs: a partition built meanwhile could be the
+            # one that does not fit.
+            while not self._outputs_checked.wait(0.05):
+                self.raise_if_closed()
+                if self.store.closed:
+                    break  # the read below raises ShuffleClosedError
         if self._too_large is not None:
             raise self._too_large
         nrows, tables = self.store.read(partition_id)

@@ -634,6 +634,10 @@ class ShardStore:
         host_pool().unhold(unpacked=self._unpacking)
         shutil.rmtree(self._directory, ignore_errors=True)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise ShuffleClosedError(f"{self._describe} was closed")

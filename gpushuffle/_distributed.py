@@ -45,6 +45,7 @@ from dask.dataframe.multi import merge_chunk
 from dask.dataframe.shuffle import partitioning_index
 from dask.tokenize import _tokenize_deterministic
 from dask.utils import get_default_shuffle_method
+from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import Scheduler
 from distributed.shuffle._core import (
     P2PBarrierTask,
@@ -53,6 +54,7 @@ from distributed.shuffle._core import (
     ShuffleSpec,
     barrier_key,
     get_worker_plugin,
+    id_from_key,
 )
 from distributed.shuffle._exceptions import (
     P2PConsistencyError,
@@ -118,6 +120,7 @@ def pin_output_tasks(
     try:
         for scheduler in list(Scheduler._instances):
             scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
+            _release_failed_runs(scheduler).shuffles.add(shuffle_id)
             barrier = scheduler.tasks.get(key)
             plugin = scheduler.plugins.get("shuffle")
             if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
@@ -180,7 +183,63 @@ def _restrict_output_task(
     return result
 
 
+#: The worker stream op that tells a failed run to release what it holds.
+RELEASE_FAILED_RUN = "gpushuffle-release-failed"
+
+
+class ReleaseFailedRuns(SchedulerPlugin):
+    """Tell a failed gpushuffle run's workers to release its shards at once.
+
+    When a shuffle's barrier errs (a transfer failed, or a receiver), the
+    shuffle scheduler plugin keeps the shuffle, and the workers their runs,
+    until the erred tasks are forgotten (``ShuffleSchedulerPlugin.transition``
+    returns early for a root cause at the barrier): with ``p2p`` too, every
+    received shard stays in the workers' memory and spill files for as long
+    as the user holds the failed future, or its exception's traceback (a
+    notebook's ``Out``, ``sys.last_value``).  This sends
+    :data:`RELEASE_FAILED_RUN` to the run's workers as the barrier errs; the
+    run (``GPUShuffleRun.release_failed``) frees its store and keeps the
+    error, and distributed still closes it later, as before.
+    """
+
+    name = "gpushuffle-release-failed"
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        #: gpushuffle's shuffles (p2p's are left as distributed has them).
+        self.shuffles: set[ShuffleId] = set()
+
+    def transition(
+        self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        shuffle_id = id_from_key(key)
+        if shuffle_id is None or shuffle_id not in self.shuffles:
+            return
+        if finish == "forgotten":
+            self.shuffles.discard(shuffle_id)
+            return
+        if finish != "erred":
+            return
+        shuffle = self.scheduler.plugins["shuffle"].active_shuffles.get(shuffle_id)  # type: ignore[attr-defined]
+        if shuffle is None:
+            return
+        message = {"op": RELEASE_FAILED_RUN, "shuffle_id": shuffle_id, "run_id": shuffle.run_id}
+        self.scheduler.send_all(
+            {}, {worker: [dict(message)] for worker in shuffle.participating_workers}
+        )
+
+
+def _release_failed_runs(scheduler: Scheduler) -> ReleaseFailedRuns:
+    """``scheduler``'s :class:`ReleaseFailedRuns`, added on first use."""
+    plugin = scheduler.plugins.get(ReleaseFailedRuns.name)
+    if not isinstance(plugin, ReleaseFailedRuns):
+        plugin = ReleaseFailedRuns(scheduler)
+        scheduler.add_plugin(plugin, name=ReleaseFailedRuns.name)
+    return plugin
+
+
 __all__ = [
+    "RELEASE_FAILED_RUN",
     "RESTRICT_OUTPUT_TASK",
     "Alias",
     "Assign",

@@ -11,6 +11,7 @@ phase is in ``test_faults.py``, floats in int meta in
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from unittest import mock
 
@@ -415,10 +416,20 @@ async def test_an_error_receiving_shards_fails_the_shuffle_with_its_cause(c, s, 
         causes.append(error)
         error = error.__cause__
     assert any("boom: receiving failed" in str(e) for e in causes), causes
-    del futures, info, causes, error
-    # Where the receiver's error fails the barrier, the scheduler keeps the
-    # shuffle, and the workers their failed runs, until the erred tasks are
-    # forgotten (distributed's plugin, as for p2p): here when the client goes.
+    # The scheduler keeps the shuffle, and the workers their failed runs,
+    # until the erred tasks are forgotten (distributed's plugin, as for p2p):
+    # here when the client goes.  The runs' received shards and spill files
+    # are released as the barrier errs, while the failed future is held.
+    await wait_for(
+        lambda: worker_memory().snapshot()["host_bytes"] == 0,
+        what="the failed runs to release their shards",
+    )
+    # (Where the error came back in the transfer phase, distributed may have
+    # closed the runs already: then none is left to check.)
+    runs = [r for w in (a, b) for r in w.plugins["shuffle"].shuffle_runs._active_runs.values()]
+    assert all(r.store.closed for r in runs), runs
+    assert all(not os.path.exists(r.store._directory) for r in runs)
+    del futures, info, causes, error, runs
     await c.close()
     await wait_for(
         lambda: not any(w.plugins["shuffle"].shuffle_runs._active_runs for w in (a, b)),

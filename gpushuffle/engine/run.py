@@ -7,6 +7,7 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -29,7 +30,9 @@ from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
 from gpushuffle._distributed import (
+    RELEASE_FAILED_RUN,
     RESTRICT_OUTPUT_TASK,
+    P2PConsistencyError,
     ResourceLimiter,
     ShuffleClosedError,
     ShuffleRun,
@@ -150,6 +153,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for executor in (*worker.executors.values(), plugin._executor):
             host_pool().malloc.watch(executor)
         host_pool().watch_worker(worker)
+        worker.stream_handlers.setdefault(
+            RELEASE_FAILED_RUN, functools.partial(_release_failed_run, plugin)
+        )
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions)
         # A worker paused for its memory runs no task until that drops; what
@@ -698,14 +704,29 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         }
         return heartbeat
 
-    async def close(self) -> None:
-        # Release received shards and spill files first: the base class then
-        # waits for the comm buffer's sends, which _closing makes give up.
+    def release_failed(self) -> None:
+        """The shuffle failed (its barrier erred): free the received shards
+        and spill files now, keeping the run and its error until distributed
+        closes it (``_distributed.ReleaseFailedRuns``)."""
+        if self.closed:
+            return
+        if self._exception is None:
+            self.fail(
+                P2PConsistencyError(f"{self} failed: the shuffle's barrier erred on the scheduler")
+            )
+        self._release()
+
+    def _release(self) -> None:
         self._closing.set()
         self._pause_watch.stop()
         self._lingering.clear()
         self._lingering_bytes.clear()
         self.store.close()
+
+    async def close(self) -> None:
+        # Release received shards and spill files first: the base class then
+        # waits for the comm buffer's sends, which _closing makes give up.
+        self._release()
         await super().close()
         self._lent_unanswered.clear()
 
@@ -831,3 +852,10 @@ def _spill_fraction() -> float:
         if fraction:
             return float(fraction)
     return 0.7
+
+
+def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
+    """The worker's :data:`~gpushuffle._distributed.RELEASE_FAILED_RUN` handler."""
+    run = plugin.shuffle_runs._active_runs.get(shuffle_id)  # type: ignore[call-overload]
+    if isinstance(run, GPUShuffleRun) and run.run_id == run_id:
+        run.release_failed()

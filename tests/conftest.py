@@ -22,6 +22,34 @@ def cluster():
         yield cluster
 
 
+#: Processes that keep a core busy beside each test that uses ``busy_cores``
+#: (GPUSHUFFLE_TEST_BUSY_CORES, default 2: both of CI's cores).
+BUSY_CORES = int(os.environ.get("GPUSHUFFLE_TEST_BUSY_CORES", "2"))
+#: A busy loop ends by itself after this long, whatever becomes of the test.
+_BUSY_LIMIT_S = 900
+
+
+@pytest.fixture
+def busy_cores():
+    """Keep the machine's cores busy while the test runs, as a crowded CI
+    runner does: tests near a memory or time limit must pass there too (a
+    hot-key test that passed alone failed 3 runs of 4 with both cores busy)."""
+    import subprocess
+    import sys
+
+    loop = (
+        f"import time\nend = time.monotonic() + {_BUSY_LIMIT_S}\nwhile time.monotonic() < end: pass"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(BUSY_CORES)]
+    try:
+        yield len(procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
 _LOAD_REPORT: list[str] = []
 
 

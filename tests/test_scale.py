@@ -3,7 +3,8 @@
 Each worker is a Nanny's process with a memory limit that distributed
 enforces (a worker over 95% of it is killed and restarted).  The input is
 generated inside the shuffle, never persisted, so it can be several times the
-cluster's memory.  Each test counts restarts (none allowed) and compares every
+cluster's memory.  Every test runs beside busy loops on each core, as on a
+crowded CI runner.  Each test counts restarts (none allowed) and compares every
 output partition with a truth computed without any shuffle: each input
 partition's rows grouped by the output partition dask's
 ``partitioning_index`` gives them, summed over the inputs.
@@ -25,7 +26,8 @@ from distributed import Client, LocalCluster
 import gpushuffle
 from gpushuffle.bench import _output_summary, generated_frame
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.scale]
+# Beside busy loops on every core (conftest.busy_cores): CI's runner is shared.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.scale, pytest.mark.usefixtures("busy_cores")]
 
 
 @contextlib.contextmanager
@@ -122,10 +124,10 @@ def test_four_times_the_clusters_memory_with_no_restart():
     _assert_same(ours, truth)
 
 
-def test_a_hot_key_of_half_a_workers_memory_with_no_restart():
-    """60% of 11M rows (8 columns and the index: 0.44 GiB) on one key, workers
-    of 1 GiB."""
-    rows, partitions = 11_000_000, 22
+def test_a_hot_key_of_half_a_workers_memory_is_built_with_no_restart():
+    """60% of 12M rows on one key (8 columns and the index: 0.50 GiB, at most
+    half the limit), workers of 1 GiB: always built, and without pausing."""
+    rows, partitions = 12_000_000, 24
     df = generated_frame(rows, partitions, columns=8, skew=0.6)
     with limited_cluster("1GiB") as client:
         before = _workers(client)
@@ -136,13 +138,49 @@ def test_a_hot_key_of_half_a_workers_memory_with_no_restart():
         # The hot partition's worker moved what its store held in memory to
         # disk before building it: the partition, the worker's own memory and
         # a full host budget came to 0.93 of the limit (the Nanny restarts at
-        # 0.95); with the move, about 0.7.
+        # 0.95); with the move, about 0.7 (distributed pauses at 0.8).
         assert max(peaks.values()) < 0.8 * 2**30, peaks
         assert gpushuffle.statistics(client)["output_sheds"].max() > 0
         truth = expected_outputs(df, partitions)
     hot = ours["rows"].max()
-    assert hot > 0.6 * rows and hot * 9 * 8 > 0.4 * 2**30, hot  # about half a worker
+    assert 0.4 * 2**30 < hot * 9 * 8 <= 0.5 * 2**30, hot  # at most half a worker
     _assert_same(ours, truth)
+
+
+def _verdict(df, partitions: int) -> str | pd.DataFrame:
+    """The outputs, or the error's verdict with its numbers."""
+    try:
+        return shuffled_outputs(df, partitions)
+    except gpushuffle.ShuffleOutputTooLargeError as e:
+        # The numbers, not the shuffle id and worker address.
+        return str(e)[str(e).index("output partition") :]
+
+
+def test_a_hot_key_near_the_line_gets_the_same_verdict_every_run():
+    """70% of 12M rows on one key (0.57 GiB) on 1 GiB workers: with the
+    build and the worker's reserve, 22 MiB under the line (0.9 of the limit).
+    Judged by moments of RSS, 0.6 GiB partitions were built in one run and
+    refused in the next; the rule on sizes gives one answer, and never a
+    restart."""
+    rows, partitions = 12_000_000, 24
+    df = generated_frame(rows, partitions, columns=8, skew=0.7)
+    with (
+        limited_cluster("1GiB") as client,
+        dask.config.set({"distributed.scheduler.allowed-failures": 0}),
+    ):
+        before = _workers(client)
+        verdicts = [_verdict(df, partitions) for _ in range(3)]
+        assert _workers(client) == before, "a worker was restarted"
+        built = [isinstance(v, pd.DataFrame) for v in verdicts]
+        assert len(set(built)) == 1, verdicts
+        if built[0]:
+            truth = expected_outputs(df, partitions)
+            for ours in verdicts:
+                _assert_same(ours, truth)
+        else:
+            # The same partition and size each time (the base may differ by
+            # a MiB: it is measured).
+            assert len({v.split(";")[0] for v in verdicts}) == 1, verdicts
 
 
 def test_a_hot_key_too_large_for_its_worker_is_a_clear_error_not_restarts():

@@ -481,6 +481,22 @@ class PandasBackend(TableBackend):
             return int(table.source.row_bytes * len(table.rows))
         return _nbytes(table)
 
+    def concat_nbytes(self, table: PandasTable | BorrowedRows) -> int:
+        # Columns of fixed width fill the output in place (_ColumnBuilder);
+        # strings, objects and the like are concatenated at the end.
+        columns: Sequence[Any]
+        index: np.ndarray | pd.Index | None
+        if isinstance(table, BorrowedRows):
+            source = table.source
+            columns, index = source.values, source.index
+            share = len(table.rows) / max(source.nrows, 1)
+        else:
+            columns, index, share = table.columns, table.index, 1.0
+        total = sum(int(c.nbytes) for c in columns if _fill_dtypes(c.dtype) is None)
+        if index is not None and not isinstance(index, np.ndarray) and not _plain_index(index):
+            total += int(index.nbytes)
+        return int(total * share)
+
     def unshared_bytes(self, table: PandasTable | BorrowedRows) -> int | None:
         if isinstance(table, BorrowedRows):
             return table.source.unshared_bytes()

@@ -62,7 +62,7 @@ class WorkerMemory:
     #: for its memory (``ShardStore.shed_host``), all runs.
     pause_sheds: int = 0
     #: Groups moved to disk as a run's first output was built, to make room
-    #: for its largest output partition (``GPUShuffleRun._make_room_for_outputs``).
+    #: for its largest output partition (``GPUShuffleRun._make_room``).
     output_sheds: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the
     #: store to take them: not yet charged to any tier.

@@ -368,7 +368,18 @@ class HostBufferPool:
         """
         dtype = np.dtype(dtype)
         nbytes = n * dtype.itemsize
-        if self.limit <= 0 or nbytes < MIN_POOLED_BYTES or dtype.hasobject:
+        if (
+            self.limit <= 0
+            or nbytes < MIN_POOLED_BYTES
+            or nbytes * HEADROOM > self.limit
+            or dtype.hasobject
+        ):
+            # A block larger than the pool may keep (a hot output partition)
+            # would be unmapped when given back anyway, but only once the
+            # pool next looks at what came back: until then the worker holds
+            # it twice over if distributed spills the output and reads it
+            # back (seen as a restart on 1 GiB workers).  malloc's own
+            # mapping goes the moment the array does.
             return np.empty(n, dtype=dtype)
         stats = self.statistics
         with self._lock:

@@ -7,16 +7,17 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import dask
 import numpy as np
 from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
@@ -40,8 +41,14 @@ from gpushuffle._distributed import (
     pin_output_tasks,
 )
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
-from gpushuffle.engine.outputs import check_outputs_fit
-from gpushuffle.engine.pool import host_pool
+from gpushuffle.engine.outputs import (
+    FitBudget,
+    OutputSize,
+    build_need,
+    check_outputs_fit,
+    fits,
+)
+from gpushuffle.engine.pool import host_pool, malloc_trim
 from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError, ShuffleOutputTooLargeError
@@ -55,6 +62,11 @@ T = TypeVar("T")
 #: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
 #: default) are held back until that much is ready for their worker.
 _LINGER_FRACTION = 16
+
+#: Outputs up to this share of the worker's memory limit (with what building
+#: them holds beyond them) are built without first making room for them
+#: where the worker's RSS leaves room (GPUShuffleRun._host_budget).
+_SMALL_OUTPUT = 0.25
 
 #: How often a run checks whether distributed paused its worker for memory.
 _PAUSE_CHECK_MS = 100
@@ -281,84 +293,127 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 raise
             await super().inputs_done()
 
-    def _memory_held(self) -> tuple[int, int, str]:
-        """The limit the outputs are built within, what the worker holds of
-        it now, and the limit's name for messages."""
-        if self.backend.tier == DEVICE:
-            memory = worker_memory()
-            return (
-                memory.device_share or 0,
-                memory.device.bytes,
-                "this worker's share of device memory",
-            )
-        import psutil
+    def _prepare_outputs(self) -> None:
+        """Judge, as the worker's first unpack starts, whether its largest
+        output partition can be built here, and make room for it.
 
-        limit = config.worker_memory_limit()
-        # Free pool blocks take the outputs (HostBufferPool.empty_buffers).
-        held = psutil.Process().memory_info().rss - host_pool().usage()["free"]
-        return limit, max(0, held), "this worker's memory limit"
-
-    def _make_room_for_outputs(self) -> None:
-        """Move the store's host tier to disk before the first output is
-        built, where building the largest would take the worker past
-        distributed's ``spill`` fraction of its memory limit.
-
-        Every shard is in now, and the pieces of the partitions not being
-        built stay in memory, sharing received buffers with the partition
-        that is: a hot partition of half the limit, on top of the worker's
-        own memory and a full host budget, came within a few percent of the
-        Nanny's restart (seen in CI on 1 GiB workers).  Building it from disk
-        holds the output and one piece at a time.
+        Only once the barrier has passed is every shard in (a worker's own
+        inputs_done returns before its peers have flushed their sends to
+        it).  The verdict is :func:`~gpushuffle.engine.outputs.check_outputs_fit`'s
+        rule on sizes; a refusal is kept, and every unpack of the run raises
+        it, so that the partition is never built.
         """
-        if self.backend.tier == DEVICE or not self.store.statistics.host_bytes:
-            return
         sizes = self.store.partition_sizes()
         if not sizes:
             return
-        limit, held, _ = self._memory_held()
-        largest = max(size.nbytes for size in sizes.values())
-        tight_at = _spill_fraction()
-        if limit <= 0 or held + largest <= tight_at * limit:
-            return
-        in_memory = self.store.statistics.host_bytes
-        try:
-            moved = sync(self._loop, self.store.shed_host, True)
-        except OSError as e:
-            # A full or failing disk: the outputs are built from memory, as
-            # they would have been; a put that needs the disk reports it.
-            logger.warning("%s: moving received shards to disk for the outputs failed: %r", self, e)
-            return
-        if moved:
-            logger.info(
-                "%s: the largest output partition (%d MiB) and the %d MiB the worker holds "
-                "pass %.0f%% of its memory limit; moved %d MiB of received shards to disk first",
-                self,
-                largest >> 20,
-                held >> 20,
-                100 * tight_at,
-                (in_memory - self.store.statistics.host_bytes) >> 20,
+        largest = max(sizes.values(), key=lambda size: size.nbytes)
+        fail_at = float(config.get("memory.output-fail"))
+        overhead = self.backend.assembly_overhead
+        if self.backend.tier == DEVICE:
+            memory = worker_memory()
+            # The store's own accounting: what every run on the worker holds
+            # on the device, this partition's pieces included.
+            budget = self._budget(memory.device_share or 0, memory.device.bytes, fail_at)
+            budget = dataclasses.replace(
+                budget,
+                memory="this worker's share of device memory",
+                base_note="the device memory its shuffles' stores hold",
             )
+        else:
+            budget = self._host_budget(largest, fail_at, overhead)
+        check_outputs_fit(sizes, budget, overhead, where=f"{self.id} on {self.local_address}")
 
-    def _check_outputs_fit(self) -> None:
-        """Fail the shuffle's unpack, with the reason, where an output
-        partition cannot be built on this worker (engine/outputs.py): what the
-        worker holds now plus the partition, against its limit.
-
-        Made as the worker's first unpack starts: only once the barrier has
-        passed is every shard in (a worker's own inputs_done returns before
-        its peers have flushed their sends to it).  Every unpack of the run
-        then raises the same error, so that the partition is never built.
-        """
-        limit, held, what = self._memory_held()
-        check_outputs_fit(
-            self.store.partition_sizes(),
-            limit,
-            held,
-            fail_at=float(config.get("memory.output-fail")),
+    @staticmethod
+    def _budget(limit: int, base: int, fail_at: float) -> FitBudget:
+        return FitBudget(
+            limit=limit,
+            base=max(0, base),
+            fail_at=fail_at,
             warn_at=float(config.get("memory.output-warn")),
-            where=f"{self.id} on {self.local_address}",
-            memory=what,
+            memory="this worker's memory limit",
         )
+
+    def _host_budget(
+        self, largest: OutputSize, fail_at: float, overhead: Callable[[OutputSize], int]
+    ) -> FitBudget:
+        """The host budget: the worker's base is ``memory.worker-reserve``,
+        or what it holds once room is made where that is more.
+
+        A reading of RSS in a live worker is not a base to judge by: the
+        same 0.61 GiB partition on 1 GiB workers was built in one run and
+        refused in the next, and even after making room (the store on disk,
+        collected, malloc trimmed, the pool's free blocks gone) the workers'
+        own memory read 180 to 241 MiB from run to run.  The reserve makes
+        the verdict a rule on sizes; the measurement only refuses more, where
+        a worker holds more than its reserve (other libraries, a leak), and
+        the error says so.  Outputs of at most :data:`_SMALL_OUTPUT` of the
+        limit move nothing where even the worker's RSS leaves room.
+        """
+        limit = config.worker_memory_limit()
+        reserve = config.parse_budget(
+            config.get("memory.worker-reserve"), limit, "memory.worker-reserve"
+        )
+        budget = self._budget(limit, reserve, fail_at)
+        if not fits(largest, budget, overhead):
+            return budget  # refused on sizes alone: nothing to move or measure
+        small = largest.nbytes + overhead(largest) <= _SMALL_OUTPUT * limit
+        if small and fits(largest, self._budget(limit, max(reserve, _rss()), fail_at), overhead):
+            return budget
+        self._make_room()
+        managed = _managed_in_memory(self._worker)
+        held = _rss() - managed
+        logger.debug(
+            "%s: after making room the worker holds %d MiB besides distributed's %d MiB "
+            "of data in memory (reserve %d MiB); pool %s",
+            self,
+            held >> 20,
+            managed >> 20,
+            reserve >> 20,
+            {k: v >> 20 for k, v in host_pool().usage().items()},
+        )
+        if held > reserve:
+            budget = dataclasses.replace(
+                budget,
+                base=held,
+                base_note="measured after making room: more than gpushuffle.memory.worker-reserve",
+            )
+        if fits(largest, budget, overhead):
+            # distributed's data stays in memory until the worker passes its
+            # spill fraction; the build would get there at once.
+            room = int(fail_at * limit) - build_need(largest, budget, overhead)
+            _evict_managed(self._worker, keep=max(0, room))
+        return budget
+
+    def _make_room(self) -> None:
+        """Move the store's host tier to disk, collect, trim malloc and unmap
+        the pool's free blocks: what is left is what the worker needs.
+
+        Every shard is in now, and the pieces of partitions not being built
+        share received buffers with the one that is: a hot partition of half
+        the limit, on top of the worker's own memory and a full host budget,
+        came within a few percent of the Nanny's restart (seen in CI on 1 GiB
+        workers).  Built from disk, the output holds one piece at a time.
+        """
+        if self.store.statistics.host_bytes:
+            in_memory = self.store.statistics.host_bytes
+            try:
+                moved = sync(self._loop, self.store.shed_host, True)
+            except OSError as e:
+                # A full or failing disk: the outputs are built from memory, as
+                # they would have been; a put that needs the disk reports it.
+                logger.warning(
+                    "%s: moving received shards to disk for the outputs failed: %r", self, e
+                )
+                moved = 0
+            if moved:
+                logger.info(
+                    "%s: moved %d MiB of received shards to disk before building the outputs",
+                    self,
+                    (in_memory - self.store.statistics.host_bytes) >> 20,
+                )
+        gc.collect()
+        host_pool().release_idle(0)
+        malloc_trim()
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.
@@ -628,8 +683,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if self.store.start_unpack():
             try:
                 sync(self._loop, self.store.release_let_go_inputs)
-                self._make_room_for_outputs()
-                self._check_outputs_fit()
+                self._prepare_outputs()
             except ShuffleOutputTooLargeError as e:
                 self._too_large = e
             finally:
@@ -844,14 +898,35 @@ class GPUShuffleSpec(ShuffleSpec[int]):
         )
 
 
-def _spill_fraction() -> float:
-    """distributed's ``spill`` fraction of a worker's memory limit (where it
-    moves its own data to disk), ``target`` where that is off, else 0.7."""
-    for name in ("spill", "target"):
-        fraction = dask.config.get(f"distributed.worker.memory.{name}", default=False)
-        if fraction:
-            return float(fraction)
-    return 0.7
+def _rss() -> int:
+    """This process's resident memory, as the Nanny reads it."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _managed_in_memory(worker: Any) -> int:
+    """What distributed counts of the worker's data in memory (sizeof)."""
+    fast = getattr(worker.data, "fast", None)
+    weight = getattr(fast, "total_weight", None)
+    return int(weight) if weight is not None else 0
+
+
+def _evict_managed(worker: Any, keep: int) -> int:
+    """Have distributed spill the worker's data (least recently used first)
+    until at most ``keep`` bytes of it are in memory; return what is left.
+
+    What distributed's memory monitor would do once the build passed the
+    spill fraction, done before it: the monitor acts every 100 ms, a build
+    allocates faster.  Workers without a spill buffer keep their data.
+    """
+    evict = getattr(worker.data, "evict", None)
+    left = _managed_in_memory(worker)
+    while evict is not None and left > keep:
+        if evict() < 0:  # nothing more it can spill
+            break
+        left = _managed_in_memory(worker)
+    return left
 
 
 def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:

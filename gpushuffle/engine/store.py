@@ -100,6 +100,8 @@ class _Piece:
     chunk: int
     nrows: int
     nbytes: int
+    #: Of ``nbytes``: what an assembly concatenates (TableBackend.concat_nbytes).
+    concat_nbytes: int = 0
     table: Any = None
     group: _Group | None = None
     disk: _DiskLocation | None = None
@@ -203,6 +205,7 @@ class ShardStore:
             return
         tier = self._backend.tier
         unshared = self._backend.unshared_bytes(shard.table)
+        concat_nbytes = self._backend.concat_nbytes(shard.table)
         group = _Group(
             tier=tier,
             nbytes=shard.nbytes if unshared is None else unshared,
@@ -225,6 +228,7 @@ class ShardStore:
                 chunk=shard.chunk,
                 nrows=stop - start,
                 nbytes=shard.nbytes * (stop - start) // total_rows,
+                concat_nbytes=concat_nbytes * (stop - start) // total_rows,
                 table=self._backend.slice(shard.table, start, stop),
                 group=group,
             )
@@ -486,7 +490,12 @@ class ShardStore:
         """Rows and bytes held for each output partition not yet read."""
         with self._lock:
             return {
-                partition: OutputSize(sum(p.nrows for p in pieces), sum(p.nbytes for p in pieces))
+                partition: OutputSize(
+                    nrows=sum(p.nrows for p in pieces),
+                    nbytes=sum(p.nbytes for p in pieces),
+                    largest_piece=max((p.nbytes for p in pieces), default=0),
+                    concat_bytes=sum(p.concat_nbytes for p in pieces),
+                )
                 for partition, pieces in self._pieces.items()
             }
 

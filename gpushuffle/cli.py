@@ -102,11 +102,13 @@ def main() -> None:
 )
 @click.option(
     "--skew",
-    default=0.0,
+    default="0",
     show_default=True,
-    type=click.FloatRange(0.0, 1.0),
-    metavar="F",
-    help="Share of the rows on one key (a hot key: a null or default value).",
+    metavar="F|F,F|START:STOP:STEP",
+    help="Share of the rows on one key (a hot key: a null or default value).  Several "
+    "shares (with --worker-memory) sweep the hot-key boundary instead: each share and "
+    "run in a fresh cluster, reporting built or refused, restarts and peak against the "
+    "limit.",
 )
 @click.option(
     "--worker-memory",
@@ -146,7 +148,7 @@ def bench(
     repeat: int,
     protocol: str,
     memory_limit: str | None,
-    skew: float,
+    skew: str,
     worker_memory: str | None,
     settle: float,
     json_path: str | None,
@@ -156,6 +158,22 @@ def bench(
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
     from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
     from gpushuffle.cluster import _quiet_shuffle_log
+    from gpushuffle.hotkey import parse_shares
+
+    try:
+        shares = parse_shares(skew)
+    except ValueError as e:
+        raise BadArguments(f"--skew {e}") from None
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    if len(shares) > 1:
+        if not worker_memory:
+            raise BadArguments("--skew with several shares sweeps them: give --worker-memory")
+        with _quiet_shuffle_log(debug):
+            _sweep_skew(
+                shares, worker_memory, rows, columns, partitions, workers, threads,
+                method_list, repeat, dtypes, json_path,
+            )  # fmt: skip
+        return
 
     if plot_path:
         from gpushuffle.plot import require_matplotlib
@@ -184,14 +202,14 @@ def bench(
             partitions=partitions,
             workers=workers,
             threads=threads,
-            methods=[m.strip() for m in methods.split(",") if m.strip()],
+            methods=method_list,
             repeat=repeat,
             protocol=protocol,
             memory_limit=memory_limit,
             settle=settle,
             on_result=progress,
             dtypes=dtypes,
-            skew=skew,
+            skew=shares[0],
             worker_memory=worker_memory,
         )
     click.echo(
@@ -227,6 +245,77 @@ def bench(
 
         plot_benchmark(results, context, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+def _sweep_skew(
+    shares: tuple[float, ...],
+    worker_memory: str,
+    rows: int,
+    columns: int,
+    partitions: int,
+    workers: int,
+    threads: int,
+    methods: list[str],
+    repeat: int,
+    dtypes: str,
+    json_path: str | None,
+) -> None:
+    """``bench --skew`` with several shares: the hot-key boundary (gpushuffle.hotkey)."""
+    from dataclasses import asdict
+
+    from gpushuffle.bench import machine_description, versions
+    from gpushuffle.hotkey import SweepPoint, format_sweep, run_skew_sweep, summarize_sweep
+
+    def progress(p: SweepPoint) -> None:
+        restarts = f", {p.restarts} worker restart(s)" if p.restarts else ""
+        click.echo(
+            f"  {p.method:<11} share {p.share:.2f} run {p.run}: {p.verdict}, {p.wall_s:6.2f} s, "
+            f"peak {p.peak_bytes / p.limit_bytes:.0%} of the limit{restarts}",
+            err=True,
+        )
+
+    points = run_skew_sweep(
+        shares,
+        worker_memory=worker_memory,
+        rows=rows,
+        columns=columns,
+        partitions=partitions,
+        workers=workers,
+        threads=threads,
+        methods=methods,
+        repeat=repeat,
+        dtypes=dtypes,
+        on_point=progress,
+    )
+    click.echo(
+        f"{rows:,} rows x {columns} {dtypes} columns, {partitions} partitions; {workers} "
+        f"workers x {threads} threads of {worker_memory}, a fresh cluster per run\n"
+        f"{machine_description()}"
+    )
+    summary = summarize_sweep(points)
+    click.echo(format_sweep(summary))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                {
+                    "context": {
+                        "rows": rows,
+                        "columns": columns,
+                        "dtypes": dtypes,
+                        "partitions": partitions,
+                        "workers": workers,
+                        "threads_per_worker": threads,
+                        "worker_memory": worker_memory,
+                        "machine": machine_description(),
+                        "versions": versions(),
+                    },
+                    "summary": summary,
+                    "points": [asdict(p) for p in points],
+                },
+                f,
+                indent=1,
+            )
+        click.echo(f"wrote {json_path}")
 
 
 @main.command()

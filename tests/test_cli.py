@@ -865,6 +865,47 @@ def test_bench_skew_on_limited_workers(tmp_path):
     assert bad.exit_code == 2 and "--skew" in bad.output, bad.output
 
 
+def test_bench_sweeps_the_hot_share_at_a_fixed_worker_memory(tmp_path):
+    """Several --skew shares: each in a fresh cluster, built or refused,
+    restarts and peak against the limit; a reserve larger than the limit
+    refuses every share, before anything is built."""
+    results = tmp_path / "sweep.json"
+    args = ["bench", "--rows", 100_000, "--columns", 4, "--partitions", 4,
+            "--skew", "0.3,0.9", "--worker-memory", "1GiB", "--methods", "gpushuffle"]  # fmt: skip
+    r = gpushuffle(*args, "--json", results)
+    assert r.exit_code == 0, r.output
+    assert "0 share(s) with more than one verdict, 0 restart(s)" in r.stdout, r.stdout
+    record = json.loads(results.read_text())
+    assert [(p["share"], p["verdict"], p["restarts"]) for p in record["points"]] == [
+        (0.3, "built", 0),
+        (0.9, "built", 0),
+    ]
+    # The hot key's partition holds at least 90% of the rows.
+    assert record["points"][1]["hot_rows"] >= 0.9 * 100_000
+    assert all(0 < p["peak_bytes"] < p["limit_bytes"] for p in record["points"])
+    with dask.config.set({"gpushuffle.memory.worker-reserve": "2GiB"}):
+        r = gpushuffle(*args, "--json", results)
+    assert r.exit_code == 0, r.output
+    points = json.loads(results.read_text())["points"]
+    assert {(p["verdict"], p["restarts"]) for p in points} == {("refused", 0)}
+    assert all(p["error"].startswith("output partition") for p in points)
+    bad = gpushuffle("bench", "--skew", "0.5,0.6")
+    assert bad.exit_code == 2 and "--worker-memory" in bad.output, bad.output
+    bad = gpushuffle("bench", "--skew", "0.9:0.6:0.1")
+    assert bad.exit_code == 2 and "--skew" in bad.output, bad.output
+
+
+def test_shares_parse_as_a_value_a_list_or_a_range():
+    from gpushuffle.hotkey import parse_shares
+
+    assert parse_shares("0.7") == (0.7,)
+    assert parse_shares("0.6,0.8") == (0.6, 0.8)
+    assert parse_shares("0.6:0.95:0.05") == (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+    for bad in ("1.5", "x", "0.1:0.2:0", "0.9:0.6:0.1"):
+        with pytest.raises(ValueError):
+            parse_shares(bad)
+
+
 def test_bench_plot_needs_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     r = gpushuffle("bench", "--rows", 10, "--plot", tmp_path / "x.png")

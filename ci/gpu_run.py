@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ("kit", "env", "test_gpu", "bench", "device_check", "ucx")
+STEPS = ("kit", "env", "rapids", "test_gpu", "bench", "device_check", "ucx")
 EXTRA_NAMES = ("gpushuffle", "torch", "pytest", "pytest-timeout", "hypothesis", "cudf-cu12")
 
 

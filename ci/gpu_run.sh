@@ -11,6 +11,9 @@
 # 2. env: Python, versions and where each package imports from, pip check, nvidia-smi.
 #    Then probes: a CUDA allocation (cupy), cuDF on the device, UCX importable.
 # 3. steps, each under its own timeout so that one failure keeps the others:
+#    rapids        ci/test_rapids.sh in $PYTHON's environment: seconds, no device; says
+#                  at once whether the environment is the one CI checked (every RAPIDS
+#                  name resolves, device-free checks, the GPU tests collect)
 #    test_gpu      pytest tests/test_gpu.py -rs, junit XML to RESULTS_DIR/test_gpu.xml
 #    bench         benchmarks/gpu_bench.py: cuDF, two workers on GPU 0, gpushuffle vs p2p
 #                  vs tasks, results checked, with the device's copy rates
@@ -27,8 +30,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
-usage() { head -n 26 "$0" | tail -n +2 >&2; exit 2; }
-RESULTS="" USE_KIT=yes STEPS="test_gpu,bench,device_check,ucx"
+usage() { head -n 28 "$0" | tail -n +2 >&2; exit 2; }
+RESULTS="" USE_KIT=yes STEPS="rapids,test_gpu,bench,device_check,ucx"
 while [ $# -gt 0 ]; do
     case $1 in
     --no-kit) USE_KIT=no ;;
@@ -42,7 +45,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$RESULTS" ] || usage
 for step in ${STEPS//,/ }; do
-    case $step in test_gpu | bench | device_check | ucx) ;; *) echo "gpu_run: unknown step $step" >&2; usage ;; esac
+    case $step in rapids | test_gpu | bench | device_check | ucx) ;; *) echo "gpu_run: unknown step $step" >&2; usage ;; esac
 done
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
@@ -134,6 +137,10 @@ env_and_probes() {
     if [ $rc = 0 ]; then UCX=1 UCX_REASON=""; else UCX=0 UCX_REASON="$out${UCX_NOTE:+; $UCX_NOTE}"; fi
     echo "ucx: ${UCX_REASON:-ok}"
     probe ucx $UCX "${UCX_REASON:-ok}"
+    RAPIDS_REASON=""
+    if ! "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("cudf") and u.find_spec("pylibcudf")))' 2>/dev/null; then
+        RAPIDS_REASON="cuDF is not installed in $PYTHON's environment"
+    fi
 }
 
 selected() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -187,6 +194,9 @@ main() {
     # The reason a step cannot run, empty when it can.
     local need_gpu=$GPU_REASON need_cudf=$CUDF_REASON need_ucx=${CUDF_REASON:-$UCX_REASON}
 
+    # No device needed: seconds that tell whether the environment is CI's.
+    step rapids 90 "$(reserve_after bench device_check ucx)" "$RAPIDS_REASON" -- \
+        env PYTHON="$PYTHON" bash ci/test_rapids.sh
     # GPUSHUFFLE_REQUIRE_GPU: the tests fail, not skip, if cuDF cannot compute.
     # A first CUDA context, JIT and two dask-cuda workers take a minute or more.
     step test_gpu 240 "$(reserve_after bench device_check ucx)" "$need_gpu" -- \

@@ -8,6 +8,7 @@ runs (ci/gpu_kit_assemble.sh).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -64,12 +65,18 @@ def test_gpu_run_without_a_gpu_skips_every_step_and_fails_saying_so(tmp_path, no
     assert report["device"] is None
     assert report["mode"] == "no-kit"
     steps = report["steps"]
-    assert list(steps) == ["kit", "env", *GPU_STEPS]
+    assert list(steps) == ["kit", "env", "rapids", *GPU_STEPS]
     assert steps["kit"]["status"] == "skipped"
     assert "--no-kit" in steps["kit"]["reason"]
     assert steps["env"]["status"] == "passed"
     assert steps["env"]["result"]["python"] == ".".join(map(str, sys.version_info[:3]))
     assert not report["probes"]["gpu"]["ok"]
+    # The RAPIDS checks need no device, only cuDF installed (ci/test_rapids.sh).
+    if importlib.util.find_spec("cudf") is None:
+        assert steps["rapids"]["status"] == "skipped", steps["rapids"]
+        assert steps["rapids"]["reason"].startswith("cuDF is not installed"), steps["rapids"]
+    else:
+        assert steps["rapids"]["status"] == "passed", steps["rapids"]
     for name in GPU_STEPS:
         assert steps[name]["status"] == "skipped", (name, steps[name])
         assert steps[name]["reason"].startswith("no usable CUDA device"), steps[name]
@@ -89,7 +96,7 @@ def test_gpu_run_without_kit_parts_fails_the_kit_step_and_goes_on(tmp_path, no_g
     assert steps["kit"]["status"] == "failed"
     assert "ci/gpu_kit.sh" in steps["kit"]["reason"] and "--no-kit" in steps["kit"]["reason"]
     assert steps["bench"]["status"] == "skipped"
-    for name in ("test_gpu", "device_check", "ucx"):
+    for name in ("rapids", "test_gpu", "device_check", "ucx"):
         assert steps[name] == {
             "status": "skipped",
             "reason": "not selected (--steps bench)",

@@ -228,3 +228,44 @@ def test_dtype_families_of_real_cudf_dtypes(rapids):
     assert _family(struct) == f"exactly {struct}"
     for name in NUMPY_TYPES:
         assert _family(np.dtype(name)) == dtype_family(np.dtype(name)), name
+
+
+def test_dask_cudas_device_limit_is_read_where_dask_cuda_keeps_it(rapids, tmp_path):
+    """The device budget is a share of dask-cuda's device memory limit, read
+    from its real DeviceHostFile (the threshold of its device buffer); a
+    worker without a limit has none."""
+    from dask_cuda.device_host_file import DeviceHostFile
+
+    from gpushuffle.config import _device_buffer_limit
+
+    limited = DeviceHostFile(
+        worker_local_directory=str(tmp_path / "a"),
+        device_memory_limit=3 << 30,
+        memory_limit=8 << 30,
+    )
+    assert _device_buffer_limit(limited) == 3 << 30
+    unlimited = DeviceHostFile(worker_local_directory=str(tmp_path / "b"))
+    assert _device_buffer_limit(unlimited) is None
+
+
+def test_category_dtypes_in_shard_headers_round_trip(rapids):
+    """A cuDF shard's header carries its categorical columns' category
+    dtypes pickled (CudfBackend.serialize): those that need no device memory
+    to make (decimals, lists, structs) come back equal, precision, scale and
+    field names included."""
+    import pickle
+
+    cudf, _ = rapids
+    dtypes = (
+        cudf.Decimal32Dtype(9, 3),
+        cudf.Decimal64Dtype(10, 2),
+        cudf.Decimal128Dtype(30, 7),
+        cudf.ListDtype(np.int64),
+        cudf.ListDtype(cudf.ListDtype(np.float32)),
+        cudf.StructDtype({"a": np.int64, "b": cudf.Decimal64Dtype(12, 4)}),
+    )
+    back = pickle.loads(pickle.dumps(dtypes, protocol=5))
+    assert back == dtypes
+    assert [str(d) for d in back] == [str(d) for d in dtypes]
+    assert back[1].precision == 10 and back[1].scale == 2
+    assert list(back[5].fields) == ["a", "b"]

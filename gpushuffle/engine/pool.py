@@ -88,7 +88,8 @@ class PoolStatistics:
     malloc_reuses: int = 0
     malloc_reusing: int = 0
     #: Times free blocks and malloc's heaps went back because distributed
-    #: had paused a worker of this process for its memory use.
+    #: had paused a worker of this process for its memory use, or the
+    #: process had passed a worker's spill fraction.
     pause_releases: int = 0
     #: Whether fresh blocks are advised to use transparent huge pages (1).
     huge_pages: int = 0
@@ -508,7 +509,8 @@ class HostBufferPool:
         # A worker distributed paused for its memory runs no task until that
         # drops, and nothing a shuffle keeps for speed is worth that: free
         # blocks go, and so does what malloc kept, as when no shuffle runs.
-        paused = self.worker_paused()
+        # So they do once it passes its spill fraction, before the pause.
+        paused = self.worker_paused() or self.worker_spilling()
         gone = self.workers_gone()
         with self._lock:
             self._absorb_returned()
@@ -572,6 +574,31 @@ class HostBufferPool:
         with self._workers_lock:
             workers = list(self._workers)
         return any(getattr(w, "status", None) == Status.paused for w in workers)
+
+    def worker_spilling(self) -> bool:
+        """Whether this process holds more than distributed's ``spill``
+        fraction of a watched worker's memory limit (where distributed starts
+        moving the worker's data to disk).
+
+        Free blocks kept for a shuffle's unpack are memory too: on 550 MiB
+        workers with both cores busy they were 54 to 164 MiB of peaks at
+        80-87% of the limit, and once the Nanny's 95% came before the pause
+        at 80% was acted on.
+        """
+        with self._workers_lock:
+            workers = list(self._workers)
+        lines = []
+        for worker in workers:
+            manager = getattr(worker, "memory_manager", None)
+            limit = getattr(manager, "memory_limit", None)
+            fraction = getattr(manager, "memory_spill_fraction", None)
+            if limit and fraction:
+                lines.append(limit * fraction)
+        if not lines:
+            return False
+        import psutil
+
+        return psutil.Process().memory_info().rss > min(lines)
 
     def _restore_malloc(self) -> bool:
         restored = self.malloc.restore()

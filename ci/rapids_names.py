@@ -33,20 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gpushuffle"
 
-#: The packages whose names are checked (NVML through distributed's bindings
-#: and pynvml; UCX through ucxx and distributed-ucxx).
-RAPIDS = (
-    "pylibcudf",
-    "cudf",
-    "cupy",
-    "rmm",
-    "dask_cudf",
-    "dask_cuda",
-    "distributed.diagnostics.nvml",
-    "pynvml",
-    "ucxx",
-    "distributed_ucxx",
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_calls import RAPIDS as CALLED  # noqa: E402  (ci/ is not a package)
+
+#: The packages whose names are checked: those whose calls need evidence
+#: (ci/gpu_calls.py), and NVML's and UCX's other bindings.
+RAPIDS = (*CALLED, "pynvml", "ucxx", "distributed_ucxx")
 
 _IMPORTERS = {"import_module", "find_spec"}
 

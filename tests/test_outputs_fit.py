@@ -144,3 +144,43 @@ def test_a_hot_key_too_large_for_its_worker_fails_the_shuffle_clearly(client):
     # The same shuffle with the default limit goes through.
     out = df.shuffle("key", npartitions=8, shuffle_method="gpushuffle").compute()
     assert len(out) == n
+
+
+def _device_share(share: int) -> None:
+    """On a worker: the device share its runs judge outputs by.  (A test
+    double: no GPU exists here; the device tier is the labelled CPU stand-in
+    of tests/device_stand_in.py.)"""
+    from gpushuffle.engine.memory import worker_memory
+
+    memory = worker_memory()
+    memory.device_share = share
+    memory.device_known = True
+
+
+@pytest.mark.parametrize("share_mib, built", [(1024, True), (32, False)])
+def test_device_outputs_are_judged_by_the_same_rule(share_mib, built):
+    """The device tier (the CPU stand-in) is judged by the same rule: the
+    device memory the worker's stores hold, the partition and the backend's
+    assembly overhead (everything concatenated, as cuDF's), against
+    output-fail of the worker's share of device memory."""
+    from device_stand_in import stand_in_device
+    from test_memory import cluster_with
+
+    rng = np.random.default_rng(40)
+    n = 300_000
+    key = rng.integers(0, 10_000, n)
+    key[rng.random(n) < 0.8] = 7  # 80% of the rows (about 10 MiB) on one key
+    pdf = pd.DataFrame({"key": key, "x": rng.random(n), "y": rng.integers(0, 9, n)})
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    with cluster_with({}) as client:
+        client.run(_device_share, share_mib << 20)
+        with stand_in_device(client):
+            shuffled = df.shuffle("key", npartitions=4, shuffle_method="gpushuffle")
+            if built:
+                assert len(shuffled.compute()) == n
+                return
+            with pytest.raises(gpushuffle.ShuffleOutputTooLargeError) as info:
+                shuffled.compute()
+    message = str(info.value)
+    assert "this worker's share of device memory (32 MiB)" in message, message
+    assert "the device memory its shuffles' stores hold" in message, message

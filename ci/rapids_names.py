@@ -35,6 +35,7 @@ PACKAGE = ROOT / "gpushuffle"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_calls import RAPIDS as CALLED  # noqa: E402  (ci/ is not a package)
+from gpu_calls import _dotted  # noqa: E402
 
 #: The packages whose names are checked: those whose calls need evidence
 #: (ci/gpu_calls.py), and NVML's and UCX's other bindings.
@@ -84,14 +85,9 @@ def _bindings(tree: ast.AST, packages: tuple[str, ...]) -> dict[str, tuple[str, 
 
 
 def _chain(node: ast.AST) -> list[str] | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return parts[::-1]
+    """``a.b.c`` as ``["a", "b", "c"]`` (gpu_calls.py's dotted name, split)."""
+    dotted = _dotted(node)
+    return dotted.split(".") if dotted else None
 
 
 def references(package: Path = PACKAGE, packages: tuple[str, ...] = RAPIDS) -> list[Reference]:

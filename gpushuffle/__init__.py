@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from gpushuffle import config as _config  # noqa: F401  (loads defaults)
 from gpushuffle import transport as _transport  # noqa: F401  (registers serializers)
-from gpushuffle.api import METHOD, install, shuffle, statistics
+from gpushuffle.api import METHOD, install, peer_statistics, shuffle, statistics
 from gpushuffle.errors import (
     ShuffleCommError,
     ShuffleDiskFullError,
@@ -37,6 +37,7 @@ __all__ = [
     "ShuffleOutputTooLargeError",
     "ShuffleSchedulerError",
     "__version__",
+    "peer_statistics",
     "shuffle",
     "statistics",
 ]

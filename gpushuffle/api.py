@@ -541,6 +541,35 @@ def _worker_statistics() -> dict[str, Any]:
     return row
 
 
+def _peer_traffic() -> dict[str, dict[str, float]]:
+    from gpushuffle import transport
+
+    return transport.peer_traffic.as_dict()
+
+
+def peer_statistics(client: Any) -> Any:
+    """What each worker sent to each peer, one row per (worker, peer): a
+    pandas DataFrame, cumulative since the worker started.
+
+    Columns: ``messages``, ``bytes``, ``seconds`` (from each send's start to
+    the peer's answer, retries included: the peer stores what it received
+    before it answers), ``failed`` (sends that ended without an answer) and
+    ``mib_per_s`` (``bytes / seconds``).  A peer behind a slow link, or slow
+    to store, has the low rates in its column: sort by ``mib_per_s``.
+    """
+    import pandas as pd
+
+    rows = [
+        {"worker": worker, "peer": peer, **values}
+        for worker, peers in client.run(_peer_traffic).items()
+        for peer, values in peers.items()
+    ]
+    columns = ["worker", "peer", "messages", "bytes", "seconds", "failed"]
+    frame = pd.DataFrame(rows, columns=columns).set_index(["worker", "peer"])
+    frame["mib_per_s"] = frame["bytes"] / 2**20 / frame["seconds"].where(frame["seconds"] > 0)
+    return frame.sort_index()
+
+
 def statistics(client: Any) -> Any:
     """Memory statistics of every worker, one row each (a pandas DataFrame).
 

@@ -18,6 +18,7 @@ such a mistake fails loudly.
 from __future__ import annotations
 
 import numbers
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,38 @@ class WireStatistics(Counters):
 
 #: This process's wire statistics (serializers may run in comm threads).
 statistics = WireStatistics()
+
+
+class PeerTraffic:
+    """What this process sent to each peer: messages, bytes, and seconds from
+    each send's start to the peer's answer (retries included), cumulative.
+
+    A peer behind a slow link, or one slow to store what it receives, shows
+    as a low rate; :func:`gpushuffle.peer_statistics` gathers every worker's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._peers: dict[str, list[float]] = {}
+
+    def add(self, peer: str, nbytes: int, seconds: float, failed: bool = False) -> None:
+        with self._lock:
+            row = self._peers.setdefault(peer, [0, 0, 0.0, 0])
+            row[0] += 1
+            row[1] += nbytes
+            row[2] += seconds
+            row[3] += int(failed)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {
+                peer: {"messages": m, "bytes": b, "seconds": s, "failed": f}
+                for peer, (m, b, s, f) in self._peers.items()
+            }
+
+
+#: This process's sends by peer (the event loop adds; statistics read from any thread).
+peer_traffic = PeerTraffic()
 
 
 def wire_payload(shards: Sequence[Shard]) -> Serialize:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -52,7 +53,14 @@ from gpushuffle.engine.pool import host_pool, malloc_trim
 from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError, ShuffleOutputTooLargeError
-from gpushuffle.transport import LentTable, Shard, read_lent, statistics, wire_payload
+from gpushuffle.transport import (
+    LentTable,
+    Shard,
+    peer_traffic,
+    read_lent,
+    statistics,
+    wire_payload,
+)
 
 if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
@@ -521,6 +529,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for shard in shards:
             shard.lend = lend
         answered = False
+        started, nbytes = time.perf_counter(), sum(s.nbytes for s in shards)
         try:
             response = await send_with_retries()
             if response.get("lend") == "refused":
@@ -557,6 +566,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
         finally:
+            peer_traffic.add(address, nbytes, time.perf_counter() - started, failed=not answered)
             if not answered:
                 # A receiver may still read what an unanswered attempt lent:
                 # it stays alive until the run closes.

@@ -59,7 +59,7 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def _bits(rate: str) -> int:
+def link_bits(rate: str) -> int:
     """``tc``'s rate ('200mbit', '1gbit', '10gbit') in bits per second."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)bit", rate.strip().lower())
     if not match:
@@ -288,7 +288,7 @@ class Rig:
             ):
                 _run(*command, "root", check=False)
             return
-        bits = _bits(rate)
+        bits = link_bits(rate)
         # A bucket of 4 ms of the rate (at least 64 KiB: one TSO segment),
         # and a queue of 20 ms behind it: enough for TCP to keep the link full.
         burst = max(64 << 10, bits // 8 // 250)

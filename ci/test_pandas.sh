@@ -18,5 +18,7 @@ shift
 python3.11 -m venv "$venv"
 "$venv/bin/pip" install -q -e '.[test,ucx]' "$spec"
 "$venv/bin/python" -c 'import pandas; print("pandas", pandas.__version__)'
-# The scale tests (gigabytes through small workers) run once, in the main suite.
-bash ci/pytest_crash_report.sh "$venv/bin/python" -m pytest -p no:cacheprovider -m "not scale" "$@"
+# The scale tests (gigabytes through small workers) and the rig of hosts
+# (tests/test_hosts.py) run once, in the main suite.
+bash ci/pytest_crash_report.sh "$venv/bin/python" -m pytest -p no:cacheprovider \
+    -m "not scale and not hosts" "$@"

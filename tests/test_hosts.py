@@ -31,7 +31,10 @@ from benchmarks.rig import Rig, unusable
 WHY = unusable()
 if WHY and os.environ.get("GPUSHUFFLE_REQUIRE_RIG"):
     raise RuntimeError(f"GPUSHUFFLE_REQUIRE_RIG is set, but no rig of hosts here: {WHY}")
-pytestmark = pytest.mark.skipif(WHY is not None, reason=f"rig of hosts: {WHY}")
+pytestmark = [
+    pytest.mark.hosts,
+    pytest.mark.skipif(WHY is not None, reason=f"rig of hosts: {WHY}"),
+]
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 #: Workers import the tests' helpers (make_part) like the client does.

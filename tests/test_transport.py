@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+from typing import Any
 
 import dask
 import dask.dataframe as dd
@@ -206,3 +207,47 @@ def test_cpu_runs_never_ask_for_the_device(monkeypatch):
         run()
     finally:
         memory.reset_worker_memory()
+
+
+# -- small shards held back: bounded whatever the number of peers -------------
+
+
+@pytest.fixture
+def runs_made(monkeypatch):
+    from gpushuffle.engine import run as run_module
+
+    made: list[Any] = []
+    init = run_module.GPUShuffleRun.__init__
+
+    def recording_init(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(run_module.GPUShuffleRun, "__init__", recording_init)
+    # A quarter of a message in all (256 KiB with 1 MiB messages, whose
+    # shards under 64 KiB wait): 8 peers could hold 512 KiB without the cap.
+    monkeypatch.setattr(run_module, "_LINGER_MESSAGES", 0.25)
+    return made
+
+
+@pytest.mark.usefixtures("runs_made")
+def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made):
+    from faults import assert_correct, cluster_test, gpushuffled, truth
+
+    nin, rows, nout = 36, 5_000, 18
+
+    @cluster_test(n_workers=9, config={"gpushuffle.comm.message-bytes-limit": "1 MiB"})
+    async def run(c, s, *workers):
+        parts = await c.gather(c.compute(gpushuffled(nin, rows, nout).to_delayed()))
+        assert_correct(parts, truth(nin, rows, nout))
+
+    run()
+    assert runs_made
+    for made in runs_made:
+        assert made.linger_total == (1 << 20) // 4
+        # At most the cap and the one shard that passed it.
+        assert made.lingering_peak <= made.linger_total + made.linger_bytes, made.lingering_peak
+    # The cap was reached (shards of ~25 KiB for 8 peers, 64 KiB each before
+    # they go): without it, the peaks would pass it.
+    assert max(m.lingering_peak for m in runs_made) > made.linger_total // 2
+    assert sum(m.lingering_sheds for m in runs_made) > 0

@@ -70,6 +70,10 @@ T = TypeVar("T")
 #: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
 #: default) are held back until that much is ready for their worker.
 _LINGER_FRACTION = 16
+#: ... but no more than ``_LINGER_MESSAGES`` messages' worth (64 MiB by
+#: default) in all: a worker with 1,000 peers would otherwise hold up to
+#: 1,000 x 1 MiB of them.  Past that, the peers with the most go first.
+_LINGER_MESSAGES = 4
 
 #: Outputs up to this share of the worker's memory limit (with what building
 #: them holds beyond them) are built without first making room for them
@@ -153,6 +157,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._reading = asyncio.Lock()
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
+        self._lingering_total = 0
+        self.linger_total = int(_LINGER_MESSAGES * self.message_bytes)
+        #: Most bytes held back at once (all peers together), and how often
+        #: the cap sent peers' shards early.
+        self.lingering_peak = 0
+        self.lingering_sheds = 0
         self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
         self._inputs_done_started = False
         self._too_large: ShuffleOutputTooLargeError | None = None
@@ -267,8 +277,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 self._lingering_bytes[address] = (
                     self._lingering_bytes.get(address, 0) + shard.nbytes
                 )
+                self._lingering_total += shard.nbytes
+                self.lingering_peak = max(self.lingering_peak, self._lingering_total)
                 if self._lingering_bytes[address] >= self.linger_bytes:
                     await self._send_lingering(address)
+                elif self._lingering_total > self.linger_total:
+                    await self._send_most_lingering(self._lingering_total - self.linger_total // 2)
             if direct:
                 # distributed's comm buffer keeps whatever it is given and
                 # hands it to send(); its type says (key, shard), ours carry
@@ -277,12 +291,21 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def _send_lingering(self, address: str) -> None:
         shards = self._lingering.pop(address, [])
-        self._lingering_bytes.pop(address, None)
+        self._lingering_total -= self._lingering_bytes.pop(address, 0)
         # Written without yielding to the loop in between (the buffer's
         # write does not yield while under its memory limit), so the buffer
         # packs them into as few messages as its message size allows.
         for shard in shards:
             await self._write_to_comm({address: shard})  # type: ignore[dict-item]
+
+    async def _send_most_lingering(self, nbytes: int) -> None:
+        """Send the peers with the most held back, until ``nbytes`` have gone."""
+        self.lingering_sheds += 1
+        for address in sorted(self._lingering_bytes, key=self._lingering_bytes.__getitem__)[::-1]:
+            if nbytes <= 0:
+                break
+            nbytes -= self._lingering_bytes[address]
+            await self._send_lingering(address)
 
     async def inputs_done(self) -> None:
         # Every input is in: what still lingers goes before the comm buffer
@@ -785,6 +808,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._pause_watch.stop()
         self._lingering.clear()
         self._lingering_bytes.clear()
+        self._lingering_total = 0
         self.store.close()
 
     async def close(self) -> None:

@@ -56,7 +56,12 @@ def _rss() -> int:
 
 
 def link_runs(
-    rates: Sequence[str], hosts: Sequence[int], rows: int, columns: int, partitions: int, repeat: int
+    rates: Sequence[str],
+    hosts: Sequence[int],
+    rows: int,
+    columns: int,
+    partitions: int,
+    repeat: int,
 ) -> list[dict[str, Any]]:
     from distributed import Client
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import json
 import os
 import re
@@ -77,8 +78,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the process that made it ends
+    (a rig's maker killed by a signal runs no clean-up of its own)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def sweep_stale() -> None:
     """Remove what rigs of processes that no longer run left behind."""
+    for directory in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}-*-*")):
+        match = re.search(rf"{PREFIX}-(\d+)-", directory)
+        if match and not _pid_alive(int(match[1])):
+            shutil.rmtree(directory, ignore_errors=True)
     names = _run("ip", "netns", "list", check=False).stdout.split()
     links = re.findall(rf"^\d+: ({PREFIX}\d+[a-z0-9]*)[@:]", _run("ip", "-o", "link").stdout, re.M)
     for name in {*names, *links}:
@@ -151,7 +165,7 @@ class Rig:
         atexit.register(self.close)
         global _made
         pid, _made = os.getpid(), _made + 1
-        self._directory = tempfile.mkdtemp(prefix="gpushuffle-rig-")
+        self._directory = tempfile.mkdtemp(prefix=f"{PREFIX}-{pid}-")
         # Names carry the maker's pid (for sweep_stale) and a letter per rig
         # of this process; so does the /24, so that rigs alive at once (two
         # in a test run, two test runs) do not share one.
@@ -209,6 +223,7 @@ class Rig:
             stderr=subprocess.STDOUT,
             env=self._environment(),
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + START_TIMEOUT
         while not os.path.exists(file) or not os.path.getsize(file):
@@ -233,6 +248,10 @@ class Rig:
                 "--pid",
                 "--fork",
                 "--mount-proc",
+                # If unshare dies (its maker did: _die_with_parent), the
+                # host's first process does, and with it every process of
+                # its PID namespace.
+                "--kill-child",
                 sys.executable,
                 "-m",
                 "distributed.cli.dask_worker",
@@ -255,6 +274,7 @@ class Rig:
             stderr=subprocess.STDOUT,
             env=self._environment(),
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         if wait:
             self._wait_for_workers(sum(self.hosts))

@@ -104,3 +104,28 @@ def test_a_straggler_link_completes_and_shows_in_the_statistics(fault_rig):
     others = [pair for pair in traffic.index if pair not in straggler]
     # Every send to or from the slow host ran slower than every other send.
     assert rate[straggler].max() < rate[others].min(), traffic
+
+
+@pytest.fixture
+def quick_to_give_up_rig() -> Iterator[tuple[Rig, Client]]:
+    # A connection whose bytes go unacknowledged for 12 s is dropped
+    # (distributed.comm.timeouts.tcp, 30 s by default; at least 11 s, its
+    # keepalive probes' count + 1), in every process.
+    env = {**RIG_ENV, "DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "12s"}
+    with Rig((1, 1, 1), rate="30mbit", env=env) as rig, Client(rig.scheduler_address) as c:
+        yield rig, c
+
+
+@pytest.mark.parametrize("method", ["gpushuffle", "p2p"])
+def test_a_link_cut_for_good(quick_to_give_up_rig, method):
+    """The host behind it is lost to the cluster once distributed's TCP
+    timeout passes; the shuffle restarts on the others and completes."""
+    rig, client = quick_to_give_up_rig
+    expected = truth(NIN, ROWS, NOUT)
+    futures = _start(client, method)
+    _when_crossed(rig, 4 << 20, futures)
+    with rig.cut(1):
+        parts = _gather_within(client, futures, FAULT_LIMIT_S)
+        assert_correct(parts, expected)
+        workers = client.scheduler_info()["workers"]
+        assert sorted(rig.host_of(w) for w in workers) == [0, 2]

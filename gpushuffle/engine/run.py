@@ -304,7 +304,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for address in sorted(self._lingering_bytes, key=self._lingering_bytes.__getitem__)[::-1]:
             if nbytes <= 0:
                 break
-            nbytes -= self._lingering_bytes[address]
+            # Another transfer's write may have sent it while this one waited.
+            nbytes -= self._lingering_bytes.get(address, 0)
             await self._send_lingering(address)
 
     async def inputs_done(self) -> None:

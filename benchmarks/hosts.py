@@ -26,7 +26,7 @@ from gpushuffle import bench
 METHODS = ("gpushuffle", "p2p")
 
 
-def _run_once(client: Any, df: Any, method: str) -> tuple[float, str]:
+def _run_once(df: Any, method: str) -> tuple[float, str]:
     start = time.perf_counter()
     summary = (
         df.shuffle(on="key", shuffle_method=method)
@@ -69,15 +69,15 @@ def link_runs(
 
     results = []
     for rate in rates:
-        with Rig(hosts, rate=rate, memory_limit="4GiB") as rig, Client(rig.scheduler_address) as c:
+        with Rig(hosts, rate=rate, memory_limit="4GiB") as rig, Client(rig.scheduler_address):
             df = bench.generated_frame(rows, partitions, columns)
             input_bytes = int(df.memory_usage(deep=True, index=True).sum().compute())
             for method in METHODS:  # warm both: imports, connections
-                _run_once(c, bench.generated_frame(20_000, partitions, columns), method)
+                _run_once(bench.generated_frame(20_000, partitions, columns), method)
             for r in range(repeat):
                 for method in METHODS if r % 2 == 0 else METHODS[::-1]:
                     before = [rig.link_bytes(h)[0] for h in range(len(hosts))]
-                    wall, digest = _run_once(c, df, method)
+                    wall, digest = _run_once(df, method)
                     sent = [rig.link_bytes(h)[0] - b for h, b in enumerate(before)]
                     row = {
                         "rate": rate,
@@ -114,12 +114,12 @@ def worker_runs(
             df = bench.generated_frame(rows, partitions, columns)
             input_bytes = int(df.memory_usage(deep=True, index=True).sum().compute())
             for method in METHODS:
-                _run_once(c, bench.generated_frame(20_000, partitions, columns), method)
+                _run_once(bench.generated_frame(20_000, partitions, columns), method)
             for r in range(repeat):
                 for method in METHODS if r % 2 == 0 else METHODS[::-1]:
                     counters_before = _engine_counters(c)
                     rss_before = c.run(_rss)
-                    wall, digest = _run_once(c, df, method)
+                    wall, digest = _run_once(df, method)
                     counters = _engine_counters(c) - counters_before
                     connections = c.run(_connections)
                     rss_after = c.run(_rss)

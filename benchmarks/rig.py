@@ -291,34 +291,31 @@ class Rig:
 
     # -- the links -----------------------------------------------------------
 
-    def _qdisc(self, host: Host, *spec: str) -> None:
+    def _qdisc(self, host: Host, verb: str, *spec: str, check: bool = True) -> None:
         # Egress on both ends: the host's sends (eth0 in its namespace) and
         # what the bridge sends it (its port here).
-        _run("ip", "netns", "exec", host.namespace, "tc", "qdisc", "replace", "dev", "eth0", *spec)
-        _run("tc", "qdisc", "replace", "dev", host.port, *spec)
+        inside = ("ip", "netns", "exec", host.namespace)
+        _run(*inside, "tc", "qdisc", verb, "dev", "eth0", "root", *spec, check=check)
+        _run("tc", "qdisc", verb, "dev", host.port, "root", *spec, check=check)
 
     def shape(self, index: int, rate: str | None) -> None:
         """Host ``index``'s link at ``rate`` each way (None: unshaped)."""
         host = self._hosts[index]
         host.rate = rate
         if rate is None:
-            for command in (
-                ["ip", "netns", "exec", host.namespace, "tc", "qdisc", "del", "dev", "eth0"],
-                ["tc", "qdisc", "del", "dev", host.port],
-            ):
-                _run(*command, "root", check=False)
+            self._qdisc(host, "del", check=False)
             return
         bits = link_bits(rate)
         # A bucket of 4 ms of the rate (at least 64 KiB: one TSO segment),
         # and a queue of 20 ms behind it: enough for TCP to keep the link full.
         burst = max(64 << 10, bits // 8 // 250)
-        self._qdisc(host, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "20ms")
+        self._qdisc(host, "replace", "tbf", "rate", rate, "burst", str(burst), "latency", "20ms")
 
     @contextlib.contextmanager
     def cut(self, index: int) -> Iterator[None]:
         """Drop every packet on host ``index``'s link while inside."""
         host = self._hosts[index]
-        self._qdisc(host, "root", "pfifo", "limit", "0")
+        self._qdisc(host, "replace", "pfifo", "limit", "0")
         try:
             yield
         finally:

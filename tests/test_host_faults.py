@@ -50,6 +50,18 @@ def _gather_within(client: Client, futures, seconds: float) -> list[pd.DataFrame
     return client.gather(futures)
 
 
+def _mid_transfer(rig: Rig, client: Client, method: str) -> list:
+    """A shuffle started and 4 MiB across the links: where each fault lands."""
+    truth(NIN, ROWS, NOUT)  # computed (and cached) before the clock starts
+    futures = _start(client, method)
+    _when_crossed(rig, 4 << 20, futures)
+    return futures
+
+
+def _assert_finishes_right(client: Client, futures) -> None:
+    assert_correct(_gather_within(client, futures, FAULT_LIMIT_S), truth(NIN, ROWS, NOUT))
+
+
 @pytest.fixture
 def fault_rig() -> Iterator[tuple[Rig, Client]]:
     # 30 Mbit/s per host: the transfer takes seconds, so a fault lands in it.
@@ -60,28 +72,22 @@ def fault_rig() -> Iterator[tuple[Rig, Client]]:
 @pytest.mark.parametrize("method", ["gpushuffle", "p2p"])
 def test_a_host_killed_mid_transfer(fault_rig, method):
     rig, client = fault_rig
-    expected = truth(NIN, ROWS, NOUT)
-    futures = _start(client, method)
-    _when_crossed(rig, 4 << 20, futures)
+    futures = _mid_transfer(rig, client, method)
     rig.kill_host(2)
-    parts = _gather_within(client, futures, FAULT_LIMIT_S)
-    assert_correct(parts, expected)
+    _assert_finishes_right(client, futures)
     assert len(client.scheduler_info()["workers"]) == 2
 
 
 @pytest.mark.parametrize("method", ["gpushuffle", "p2p"])
 def test_a_link_that_drops_every_packet_for_5s(fault_rig, method):
     rig, client = fault_rig
-    expected = truth(NIN, ROWS, NOUT)
-    futures = _start(client, method)
-    _when_crossed(rig, 4 << 20, futures)
+    futures = _mid_transfer(rig, client, method)
     with rig.cut(1):
         sent = rig.link_bytes(1)[0]
         time.sleep(5)
         # Nothing crossed while cut (the bucket may still have sent what it held).
         assert rig.link_bytes(1)[0] - sent < 256 << 10
-    parts = _gather_within(client, futures, FAULT_LIMIT_S)
-    assert_correct(parts, expected)
+    _assert_finishes_right(client, futures)
     assert len(client.scheduler_info()["workers"]) == 3
 
 
@@ -121,11 +127,8 @@ def test_a_link_cut_for_good(quick_to_give_up_rig, method):
     """The host behind it is lost to the cluster once distributed's TCP
     timeout passes; the shuffle restarts on the others and completes."""
     rig, client = quick_to_give_up_rig
-    expected = truth(NIN, ROWS, NOUT)
-    futures = _start(client, method)
-    _when_crossed(rig, 4 << 20, futures)
+    futures = _mid_transfer(rig, client, method)
     with rig.cut(1):
-        parts = _gather_within(client, futures, FAULT_LIMIT_S)
-        assert_correct(parts, expected)
+        _assert_finishes_right(client, futures)
         workers = client.scheduler_info()["workers"]
         assert sorted(rig.host_of(w) for w in workers) == [0, 2]

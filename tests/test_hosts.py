@@ -16,13 +16,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import dask
 import dask.dataframe as dd
 import pandas as pd
 import pytest
 from distributed import Client, wait
 from faults import assert_correct, frame, make_part, truth
-from truth import checksum
+from truth import checksum, partitions_of
 
 import gpushuffle
 from benchmarks.rig import Rig, unusable
@@ -55,10 +54,6 @@ def _links(rig: Rig) -> list[tuple[int, int]]:
     return [rig.link_bytes(i) for i in range(len(rig.hosts))]
 
 
-def _by_partition(collection: dd.DataFrame) -> list[pd.DataFrame]:
-    return list(dask.compute(*collection.to_delayed()))
-
-
 def _same(ours: list[pd.DataFrame], theirs: list[pd.DataFrame]) -> None:
     """Partition by partition, the same rows (row order within a partition aside)."""
     assert len(ours) == len(theirs)
@@ -78,7 +73,7 @@ def test_shuffle_across_hosts_equals_tasks_and_counts_each_path(rig_client):
     shuffled = client.persist(shuffled)
     wait(shuffled)
     links = [(s - s0, r - r0) for (s, r), (s0, r0) in zip(_links(rig), links_before, strict=True)]
-    assert_correct(_by_partition(shuffled), truth(nin, rows, nout))
+    assert_correct(partitions_of(shuffled), truth(nin, rows, nout))
 
     wire = _wire(client) - wire_before
     hosts = pd.Series({w: rig.host_of(w) for w in wire.index})
@@ -104,8 +99,8 @@ def test_merge_across_hosts_equals_tasks(rig_client):
     _, _client = rig_client
     left = frame(6, 10_000)
     right = frame(4, 5_000)[["key", "x", "s"]].rename(columns={"x": "y", "s": "t"})
-    ours = _by_partition(left.merge(right, on="key", how="left", shuffle_method="gpushuffle"))
-    tasks = _by_partition(left.merge(right, on="key", how="left", shuffle_method="tasks"))
+    ours = partitions_of(left.merge(right, on="key", how="left", shuffle_method="gpushuffle"))
+    tasks = partitions_of(left.merge(right, on="key", how="left", shuffle_method="tasks"))
     _same(ours, tasks)
     expected = pd.concat([make_part(i, 10_000) for i in range(6)]).merge(
         pd.concat([make_part(i, 5_000) for i in range(4)])[["key", "x", "s"]].rename(
@@ -124,7 +119,7 @@ def test_groupby_split_out_across_hosts_equals_tasks(rig_client):
     def grouped(method: str) -> dd.DataFrame:
         return df.groupby("key").agg({"x": "sum", "n": "count"}, split_out=5, shuffle_method=method)
 
-    ours, tasks = _by_partition(grouped("gpushuffle")), _by_partition(grouped("tasks"))
+    ours, tasks = partitions_of(grouped("gpushuffle")), partitions_of(grouped("tasks"))
     _same(ours, tasks)
     whole = pd.concat([make_part(i, 20_000) for i in range(8)])
     assert sum(map(len, ours)) == whole["key"].nunique()

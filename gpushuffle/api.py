@@ -538,6 +538,7 @@ def _worker_statistics() -> dict[str, Any]:
         row[f"host_pool_{key}"] = value
     row.update(transport.statistics.as_dict())
     row.update(copies.statistics.as_dict())
+    row.update(copies.busy.as_dict())
     return row
 
 
@@ -588,7 +589,8 @@ def statistics(client: Any) -> Any:
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,
     frames handed to UCX as device buffers); and the bytes each stage of
     gpushuffle's path copied (``copied_split_bytes``, ``copied_send_bytes``,
-    ..., :mod:`gpushuffle.engine.copies`).
+    ..., :mod:`gpushuffle.engine.copies`) and the nanoseconds each stage was
+    under way (``busy_split_ns``, ...).
     """
     import pandas as pd
 

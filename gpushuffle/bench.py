@@ -49,6 +49,12 @@ class Result:
     #: Bytes gpushuffle's stages copied in this run, summed over workers, by
     #: stage (:mod:`gpushuffle.engine.copies`); empty for other methods.
     copied_bytes: dict[str, int] = field(default_factory=dict)
+    #: Seconds each of gpushuffle's stages was under way in this run, summed
+    #: over workers (:data:`gpushuffle.engine.copies.busy`).
+    busy_seconds: dict[str, float] = field(default_factory=dict)
+    #: Seconds per byte of a plain copy on the workers, measured just before
+    #: this run, on all of them at once (median over workers).
+    memcpy_s_per_byte: float | None = None
     #: Workers restarted during the run (a Nanny's worker killed for its memory).
     restarts: int = 0
     #: Why the run failed (``KilledWorker``, a gpushuffle error); None if it ran.
@@ -77,6 +83,19 @@ class Result:
     @property
     def gib_per_s(self) -> float:
         return self.input_bytes / 2**30 / self.wall_s if self.error is None else float("nan")
+
+    @property
+    def x_of_memcpy(self) -> dict[str, float]:
+        """Per stage, its seconds per byte copied over a plain copy's: how far
+        from the floor.  Left out: stages not timed, and those that copied
+        under 1% of the input (their time is mostly not copying)."""
+        if not self.memcpy_s_per_byte:
+            return {}
+        return {
+            stage: self.busy_seconds[stage] / nbytes / self.memcpy_s_per_byte
+            for stage, nbytes in self.copied_bytes.items()
+            if nbytes >= 0.01 * self.input_bytes and self.busy_seconds.get(stage)
+        }
 
     @property
     def copies_per_byte(self) -> float | None:
@@ -392,6 +411,28 @@ def _copied() -> dict[str, int]:
     return copies.statistics.as_dict()
 
 
+def _busy() -> dict[str, int]:
+    from gpushuffle.engine import copies
+
+    return copies.busy.as_dict()
+
+
+def _busy_total(client: Any) -> dict[str, float]:
+    """Seconds each stage was under way so far, summed over workers."""
+    total: dict[str, float] = {}
+    for row in client.run(_busy).values():
+        for key, value in row.items():
+            stage = key.removeprefix("busy_").removesuffix("_ns")
+            total[stage] = total.get(stage, 0.0) + value / 1e9
+    return total
+
+
+def _memcpy() -> float:
+    from gpushuffle.engine import copies
+
+    return copies.memcpy_seconds_per_byte()
+
+
 def _copied_total(client: Any) -> dict[str, int]:
     """Bytes copied per stage so far, summed over workers."""
     total: dict[str, int] = {}
@@ -503,9 +544,17 @@ def run_benchmark(
         baseline_tasks = client.run_on_scheduler(_scheduler_task_count)
         for method in methods:
             for r in range(repeat):
+                # Every worker at once, as the stages run; before _collect,
+                # which trims what the copy's buffers leave in malloc's heaps.
+                memcpy = (
+                    statistics.median(client.run(_memcpy).values())
+                    if method == "gpushuffle"
+                    else None
+                )
                 client.run(_collect, r == 0)
                 spilled_before = _spilled(client)
                 copied_before = _copied_total(client)
+                busy_before = _busy_total(client)
                 client.run(_start_sampler, breakdown=True)
                 before = set(client.scheduler_info(n_workers=-1)["workers"])
                 start_time = time.time()
@@ -531,6 +580,10 @@ def run_benchmark(
                     stage: value - copied_before.get(stage, 0)
                     for stage, value in _copied_total(client).items()
                 }
+                busy = {
+                    stage: value - busy_before.get(stage, 0.0)
+                    for stage, value in _busy_total(client).items()
+                }
                 _wait_until_released(client, baseline_tasks)
                 # Every worker restarted (each one's sampler went with it):
                 # nothing is known of this run's memory but that it was too much.
@@ -552,6 +605,8 @@ def run_benchmark(
                     peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
                     spilled_bytes=max(0, _spilled(client) - spilled_before),
                     copied_bytes=copied if method == "gpushuffle" else {},
+                    busy_seconds=busy if method == "gpushuffle" else {},
+                    memcpy_s_per_byte=memcpy,
                     rss_before_bytes={w: s["timeline"][0][1] for w, s in samples.items()},
                     rss_after_bytes=(
                         {w: s["timeline"][-1][1] for w, s in samples.items()} if settle else {}
@@ -637,6 +692,27 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                     if rs[0].copied_bytes
                     else None
                 ),
+                "busy_seconds_by_stage": (
+                    {
+                        stage: statistics.median(r.busy_seconds.get(stage, 0.0) for r in rs)
+                        for stage in rs[0].busy_seconds
+                    }
+                    if rs[0].busy_seconds
+                    else None
+                ),
+                "x_of_memcpy_by_stage": (
+                    {
+                        stage: statistics.median(r.x_of_memcpy.get(stage, 0.0) for r in rs)
+                        for stage in rs[0].x_of_memcpy
+                    }
+                    if rs[0].x_of_memcpy
+                    else None
+                ),
+                "memcpy_gib_per_s": (
+                    1 / statistics.median(r.memcpy_s_per_byte or 0 for r in rs) / 2**30
+                    if rs[0].memcpy_s_per_byte
+                    else None
+                ),
             }
         )
     return rows
@@ -695,6 +771,34 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_stages(row: dict[str, Any]) -> str | None:
+    """A method's stages (medians over its runs): bytes copied per byte
+    shuffled, seconds under way (summed over workers) and time per byte
+    copied as a multiple of a plain copy's; None for other methods."""
+    copies = row.get("copies_per_byte_by_stage")
+    if not copies:
+        return None
+    busy = row.get("busy_seconds_by_stage") or {}
+    times = row.get("x_of_memcpy_by_stage") or {}
+    memcpy = row.get("memcpy_gib_per_s")
+    header = f"{'stage':<14}{'copies/B':>10}{'busy s':>9}{'x of memcpy':>13}"
+    lines = [
+        f"{row['method']} by stage (busy: summed over workers; memcpy: "
+        + (f"{memcpy:.2f} GiB/s on each worker, all at once)" if memcpy else "not measured)"),
+        header,
+        "-" * len(header),
+    ]
+    for stage, ratio in copies.items():
+        if not ratio and not busy.get(stage):
+            continue
+        x = times.get(stage)
+        lines.append(
+            f"{stage:<14}{ratio:>10.2f}{busy.get(stage, 0.0):>9.2f}"
+            + (f"{x:>13.1f}" if x else f"{'-':>13}")
+        )
+    return "\n".join(lines)
+
+
 def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) -> None:
     records = []
     for r in results:
@@ -706,6 +810,7 @@ def write_json(path: str, results: Sequence[Result], context: dict[str, Any]) ->
                 "gib_per_s": r.gib_per_s,
                 "left_behind_bytes": r.left_behind_bytes,
                 "copies_per_byte": r.copies_per_byte,
+                "x_of_memcpy": r.x_of_memcpy,
                 "machine": context["machine"],
             }
         )

@@ -156,7 +156,14 @@ def bench(
     plot_path: str | None,
 ) -> None:
     """Time gpushuffle against dask's p2p and tasks shuffles on one cluster."""
-    from gpushuffle.bench import Result, format_table, run_benchmark, summarize, write_json
+    from gpushuffle.bench import (
+        Result,
+        format_stages,
+        format_table,
+        run_benchmark,
+        summarize,
+        write_json,
+    )
     from gpushuffle.cluster import _quiet_shuffle_log
     from gpushuffle.hotkey import parse_shares
 
@@ -237,6 +244,8 @@ def bench(
                 f"{stage} {ratio:.2f}" for stage, ratio in row["copies_per_byte_by_stage"].items()
             )
             click.echo(f"{row['method']} bytes copied per byte shuffled, by stage: {stages}")
+        if (table := format_stages(row)) is not None:
+            click.echo(table)
     if json_path:
         write_json(json_path, results, context)
         click.echo(f"wrote {json_path}")

@@ -140,9 +140,10 @@ def wire_payload(shards: Sequence[Shard]) -> Serialize:
 
 
 def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
-    header, frames = backend_named(shard.backend).serialize(
-        shard.table, device_frames=device_frames
-    )
+    with copies.timed("serialize"):
+        header, frames = backend_named(shard.backend).serialize(
+            shard.table, device_frames=device_frames
+        )
     lender = None
     if shard.lend and not device_frames and (me := samehost.identity()) is not None:
         lent, frames, kept = samehost.lend(frames, own=header.get(OWN_FRAMES, ()))
@@ -192,7 +193,8 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
 
 def _table(shard: Shard, header: dict[str, Any], frames: Sequence[Any]) -> Any:
     statistics.add(shards_deserialized=1, bytes_deserialized=shard.nbytes)
-    return backend_named(shard.backend).deserialize(header, frames)
+    with copies.timed("deserialize"):
+        return backend_named(shard.backend).deserialize(header, frames)
 
 
 @dataclass(slots=True)
@@ -211,7 +213,8 @@ def read_lent(shard: Shard, allocate: Callable[[int], np.ndarray] | None = None)
     lent = shard.table
     if not isinstance(lent, LentTable):
         return
-    frames = samehost.read(lent.lender, lent.carried, allocate)
+    with copies.timed("receive"):
+        frames = samehost.read(lent.lender, lent.carried, allocate)
     nbytes = sum(frame[2] for frame in lent.lender["frames"])
     copies.count("receive", nbytes)
     statistics.add(bytes_read_from_peers=nbytes)

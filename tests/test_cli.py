@@ -726,6 +726,7 @@ def test_bench_plot_writes_a_png(tmp_path):
     records = json.loads(results.read_text())
     assert {tuple(sorted(r)) for r in records} == {
         (
+            "busy_seconds",
             "copied_bytes",
             "copies_per_byte",
             "error",
@@ -733,6 +734,7 @@ def test_bench_plot_writes_a_png(tmp_path):
             "input_bytes",
             "left_behind_bytes",
             "machine",
+            "memcpy_s_per_byte",
             "method",
             "partition_digest",
             "peak_breakdown",
@@ -745,6 +747,7 @@ def test_bench_plot_writes_a_png(tmp_path):
             "settle_s",
             "spilled_bytes",
             "wall_s",
+            "x_of_memcpy",
         )
     }
     # Every method put the same rows in each output partition.
@@ -782,6 +785,20 @@ def test_bench_plot_writes_a_png(tmp_path):
                for r in records if r["method"] == "tasks")  # fmt: skip
     split = "0.6" if BORROWS_FROM_INPUTS else "1.2"
     assert f"gpushuffle bytes copied per byte shuffled, by stage: split {split}" in r.stdout
+    # Each stage's time beside a plain copy's, measured in the same run:
+    # the split and the unpack copy and take time; none is faster than a
+    # copy of its bytes (a bound a wrong clock or byte count would break).
+    for run in gpushuffle_runs:
+        assert 0 < run["memcpy_s_per_byte"] < 1e-8  # faster than 100 MB/s
+        assert run["busy_seconds"]["split"] > 0 and run["busy_seconds"]["unpack"] > 0
+        # Shards this small travel over TCP: their send is timed (until the
+        # peer answers), their receive is distributed's read, not timed.
+        assert {"split", "unpack", "send"} <= set(run["x_of_memcpy"])
+        assert all(x > 0.5 for x in run["x_of_memcpy"].values()), run["x_of_memcpy"]
+        assert run["busy_seconds"]["split"] < run["wall_s"] * 2  # 2 workers, 1 thread each
+    assert all(r["busy_seconds"] == {} and r["memcpy_s_per_byte"] is None
+               for r in records if r["method"] == "tasks")  # fmt: skip
+    assert "x of memcpy" in r.stdout and "gpushuffle by stage" in r.stdout
 
 
 def test_plot_from_results(tmp_path):

@@ -911,3 +911,129 @@ def test_borrowed_rows_keep_compact_positions_of_their_own():
     whole = backend.concat([backend.materialize(local)], meta, keep_index=True)
     expected = df[df["_partitions"] >= nparts // 2].drop(columns="_partitions")
     pd.testing.assert_frame_equal(whole.sort_index(), expected.sort_index())
+
+
+def _every_dtype_frame(n: int, nparts: int, index: str, seed: int) -> pd.DataFrame:
+    """Every column kind of the property test (nulls and NaN among them),
+    with an index of the given kind and an unwanted rank (``nparts``) too."""
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame({f"c_{k}": column(k, n, rng) for k in _ALL_KINDS})
+    df["dt"] = pd.to_datetime(rng.integers(0, 10**9, n), unit="s")
+    df["td"] = pd.to_timedelta(rng.integers(0, 10**6, n), unit="s")
+    if index == "int":
+        df.index = pd.Index(rng.permutation(n) * 3, name="ix")
+    elif index == "string":
+        df.index = pd.Index([f"r{i}" for i in rng.permutation(n)], name="ix")
+    elif index == "datetime":
+        df.index = pd.DatetimeIndex(pd.to_datetime(rng.integers(0, 10**9, n), unit="s"))
+    # Rank ``nparts`` belongs to outputs nobody asked for: dropped either way.
+    df["_partitions"] = rng.integers(0, nparts + 1, n).astype(np.int16)
+    return df
+
+
+_ALL_KINDS = [
+    "int64",
+    "float64",
+    "bool",
+    "string",
+    "category",
+    "Int64",
+    "tz",
+    "decimal",
+    "date32",
+    "Float64",
+    "boolean",
+    "arrow-int-nulls",
+    "arrow-chunked",
+]
+
+
+def _split_with(reorder: str, df: pd.DataFrame, nparts: int, groups, borrow, keep_index: bool):
+    import dask
+
+    rank = np.arange(nparts + 1, dtype=np.int16)
+    with dask.config.set({"gpushuffle.split.reorder": reorder}):
+        return PandasBackend().split_groups(
+            df, "_partitions", rank, nparts, keep_index, groups, borrow=borrow
+        )
+
+
+@pytest.mark.parametrize("index", ["range", "int", "string", "datetime"])
+@pytest.mark.parametrize(
+    ("groups", "borrow"),
+    [
+        ([(0, 6)], None),  # one group: every row scattered
+        ([(0, 2), (2, 4), (4, 6)], 1),  # the local group in the middle
+        ([(0, 3), (3, 6)], 0),
+        ([(0, 1), (1, 3), (3, 6)], 2),
+    ],
+)
+def test_scatter_puts_every_dtype_in_the_same_order_as_gather(index, groups, borrow):
+    """The scatter reorder gives the same tables as the gather, row for row,
+    for every column kind (with nulls), index kind and group layout, and
+    each output partition's rows as pandas selects them; the sent groups
+    share one block per column, which the local group does not."""
+    nparts = 6
+    df = _every_dtype_frame(3_000, nparts, index, seed=len(groups) + len(index))
+    meta = df.iloc[:0].drop(columns="_partitions")
+    backend = PandasBackend()
+    results = {
+        reorder: _split_with(reorder, df, nparts, groups, borrow, keep_index=index != "range")
+        for reorder in ("gather", "scatter")
+    }
+    (gathered, offsets_g), (scattered, offsets_s) = results["gather"], results["scatter"]
+    np.testing.assert_array_equal(offsets_g, offsets_s)
+    for g, (first, last) in enumerate(groups):
+        start = int(offsets_g[first])
+        for p in range(first, last):
+            a, b = int(offsets_g[p]) - start, int(offsets_g[p + 1]) - start
+            out_g = backend.concat([backend.slice(gathered[g], a, b)], meta, index != "range")
+            out_s = backend.concat([backend.slice(scattered[g], a, b)], meta, index != "range")
+            pd.testing.assert_frame_equal(out_s, out_g)
+            expected = df[df["_partitions"] == p].drop(columns="_partitions")
+            if index == "range":
+                expected = expected.reset_index(drop=True)
+            pd.testing.assert_frame_equal(out_s, expected)
+    sent = [t for g, t in enumerate(scattered) if g != borrow]
+    if len(sent) > 1:  # one block per column for the groups scattered together
+        assert _root(sent[0].columns[0]) is _root(sent[1].columns[0])
+        sent_g = [t for g, t in enumerate(gathered) if g != borrow]
+        assert _root(sent_g[0].columns[0]) is not _root(sent_g[1].columns[0])
+    if borrow is not None and isinstance(scattered[borrow], PandasTable):
+        for other in sent:  # the local copy keeps no sent rows alive
+            assert _root(scattered[borrow].columns[0]) is not _root(other.columns[0])
+
+
+def _root(array: np.ndarray) -> object:
+    """The object that owns ``array``'s memory (what keeps it alive)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array
+
+
+@pytest.mark.parametrize(
+    ("nrows", "ngroups", "scatters"),
+    [
+        (20_000, 2, False),  # half sent, a small partition: the gather is faster
+        (20_000, 4, True),  # 3/4 sent
+        (300_000, 2, True),  # half sent, a large partition
+        (10_000, 4, False),  # too small
+    ],
+)
+def test_auto_scatters_where_it_measured_faster(nrows, ngroups, scatters):
+    from gpushuffle.backends.pandas import _scattered_groups
+
+    nparts = 40
+    groups = [(nparts * i // ngroups, nparts * (i + 1) // ngroups) for i in range(ngroups)]
+    offsets = np.linspace(0, nrows, nparts + 1).astype(np.int64)
+    chosen = _scattered_groups(groups, offsets, 0, nrows)
+    assert chosen == (list(range(1, ngroups)) if scatters else [])
+    # Without the local group's index the groups cannot share a block.
+    assert _scattered_groups(groups, offsets, None, nrows) == []
+    assert _scattered_groups([(0, nparts)], offsets, None, nrows) == ([0] if nrows > 16384 else [])
+
+
+def test_an_unknown_reorder_is_refused_with_the_choices():
+    df = frame_with_partitions(100, 4)
+    with pytest.raises(ValueError, match=r"gpushuffle\.split\.reorder: 'sideways' is not one of"):
+        _split_with("sideways", df, 4, [(0, 4)], None, keep_index=True)

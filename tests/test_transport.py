@@ -251,3 +251,34 @@ def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made):
     # they go): without it, the peaks would pass it.
     assert max(m.lingering_peak for m in runs_made) > made.linger_total // 2
     assert sum(m.lingering_sheds for m in runs_made) > 0
+
+
+def test_a_stage_under_way_in_overlapping_blocks_counts_its_time_once():
+    """``copies.timed`` measures how long a stage was under way (what the
+    bench sets against a plain copy): two sends at once count their overlap
+    once, where a sum of their durations would count it twice."""
+    import threading
+    import time
+
+    from gpushuffle.engine import copies
+
+    before = copies.busy.send
+    inner_started = threading.Event()
+
+    def inner() -> None:
+        with copies.timed("send"):
+            inner_started.set()
+            time.sleep(0.05)
+
+    start = time.perf_counter_ns()
+    with copies.timed("send"):
+        thread = threading.Thread(target=inner)
+        thread.start()
+        inner_started.wait()
+        time.sleep(0.1)
+        thread.join()
+    outer = time.perf_counter_ns() - start
+    counted = copies.busy.send - before
+    # The union is the outer block (the inner one ended inside it); a sum
+    # would add the inner 50 ms again.
+    assert outer - 5_000_000 <= counted <= outer

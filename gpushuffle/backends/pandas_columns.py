@@ -98,6 +98,78 @@ def _take_rows(
     return columns, out
 
 
+def _scatter_rows(
+    values: Sequence[Any],
+    index: pd.Index | None,
+    nrows: int,
+    groups: Sequence[tuple[np.ndarray, np.ndarray]],
+    pool: HostBufferPool,
+) -> list[tuple[list[Any], np.ndarray | pd.Index | None]]:
+    """:func:`_take_rows` for several groups at once, by scatter: ``groups``
+    are each ``(rows, bounds)``, positions in an input of ``nrows`` rows.
+
+    Each numpy column (and flat buffer of an extension array) is read once,
+    in order, and each row written to its place: one sequential read and a
+    sequential write per output partition, where a gather reads a cache line
+    for about every value once a column outgrows the caches.  Rows of no
+    group are written to one spare slot past the end.  The groups' columns
+    are views of one pooled block per column: they are freed together.
+    Arrow and object columns are taken per group, as :func:`_take_rows` does.
+    """
+    sources: list[tuple[np.ndarray, ...] | None] = [
+        (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
+    ]
+    index_dtype = None if index is None else _index_dtype(index)
+    scatter_index = index_dtype is not None and not isinstance(index, pd.RangeIndex)
+    total = sum(len(rows) for rows, _ in groups)
+    # Where each input row goes: its place among the groups' rows, or the spare slot.
+    places = np.full(nrows, total, dtype=np.intp)
+    starts = np.cumsum([0, *(len(rows) for rows, _ in groups)]).tolist()[:-1]
+    for (rows, _), start in zip(groups, starts, strict=True):
+        places[rows] = np.arange(start, start + len(rows), dtype=np.intp)
+    dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
+    if scatter_index:
+        assert index_dtype is not None
+        dtypes.append(index_dtype)
+    carved = iter(_carve(pool, total + 1, dtypes, "split"))
+    blocks: list[tuple[np.ndarray, ...] | None] = []
+    for parts in sources:
+        if parts is None:
+            blocks.append(None)
+            continue
+        written = tuple(next(carved) for _ in parts)
+        for source, block in zip(parts, written, strict=True):
+            block[places] = source
+        blocks.append(written)
+    index_block = None
+    if scatter_index:
+        assert index is not None
+        index_block = next(carved)
+        index_block[places] = index.values
+    del places
+    out = []
+    for (rows, bounds), start in zip(groups, starts, strict=True):
+        stop = start + len(rows)
+        arrow_rows: list[arrow.Positions] = []
+        cuts = _output_cuts(bounds)
+        columns: list[Any] = []
+        for v, filled in zip(values, blocks, strict=True):
+            if filled is None:
+                columns.append(_take_column(v, rows, arrow_rows, cuts))
+            elif _poolable(v):
+                columns.append(filled[0][start:stop])
+            else:
+                columns.append(flat.unflat(tuple(b[start:stop] for b in filled), v.dtype))
+        if index is None:
+            taken: np.ndarray | pd.Index | None = None
+        elif index_block is not None:
+            taken = index_block[start:stop]
+        else:  # a RangeIndex's values are computed; other indexes taken
+            taken = _index_rows(index, rows)
+        out.append((columns, taken))
+    return out
+
+
 def _take_column(
     values: Any,
     rows: np.ndarray,

@@ -31,7 +31,13 @@ Stages, in a row's order through a shuffle:
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from gpushuffle.counters import Counters
 
@@ -68,6 +74,68 @@ _STAGE_SET = frozenset(STAGES)
 
 #: This process's counters (stages run on task, comm and offload threads).
 statistics = CopyStatistics()
+
+
+@dataclass
+class StageSeconds(Counters):
+    """Nanoseconds each stage was under way (cumulative, this process): the
+    time while at least one of its operations ran, so overlapping sends (or
+    two task threads splitting) count once."""
+
+    PREFIX = "busy_"
+    SUFFIX = "_ns"
+
+    split: int = 0
+    serialize: int = 0
+    send: int = 0
+    receive: int = 0
+    deserialize: int = 0
+    spill: int = 0
+    move: int = 0
+    unpack: int = 0
+
+
+#: This process's busy time per stage (:func:`timed`).
+busy = StageSeconds()
+
+_running: dict[str, int] = dict.fromkeys(STAGES, 0)
+_since: dict[str, int] = dict.fromkeys(STAGES, 0)
+_running_lock = threading.Lock()
+
+
+@contextmanager
+def timed(stage: str) -> Iterator[None]:
+    """Count the time inside the block as ``stage`` being under way (in
+    :data:`busy`), once for blocks that overlap, in any thread."""
+    assert stage in _STAGE_SET, stage
+    with _running_lock:
+        if not _running[stage]:
+            _since[stage] = time.perf_counter_ns()
+        _running[stage] += 1
+    try:
+        yield
+    finally:
+        with _running_lock:
+            _running[stage] -= 1
+            if not _running[stage]:
+                busy.add(**{stage: time.perf_counter_ns() - _since[stage]})
+
+
+def memcpy_seconds_per_byte(nbytes: int = 128 * 2**20, repeat: int = 3) -> float:
+    """Seconds per byte of a plain copy (``numpy.copyto``) of ``nbytes``
+    between two buffers already touched, at best of ``repeat``: the floor
+    each stage's time per byte is set against (``gpushuffle bench``).
+
+    The buffers are larger than a core's caches, as the stages' data is.
+    """
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.zeros(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - start)
+    return best / nbytes
 
 
 def count(stage: str, nbytes: int) -> None:

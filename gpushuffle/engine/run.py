@@ -41,6 +41,7 @@ from gpushuffle._distributed import (
     ShuffleSpec,
     pin_output_tasks,
 )
+from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import (
     FitBudget,
@@ -495,20 +496,18 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # holds anyway (a persisted frame): no copy, nothing to store.
         addresses = [address for address, _ in ranges]
         groups = [r for _, r in ranges]
+        borrow = None
         if self.borrow_inputs and backend.borrows and self.local_address in addresses:
-            tables, offsets = backend.split_groups(
-                data,
-                self.column,
-                self.rank,
-                self.nranks,
-                self.keep_index,
-                groups,
-                borrow=addresses.index(self.local_address),
-            )
-        else:
-            tables, offsets = backend.split_groups(
-                data, self.column, self.rank, self.nranks, self.keep_index, groups
-            )
+            borrow = addresses.index(self.local_address)
+        with copies.timed("split"):
+            if borrow is not None:
+                tables, offsets = backend.split_groups(
+                    data, self.column, self.rank, self.nranks, self.keep_index, groups, borrow
+                )
+            else:
+                tables, offsets = backend.split_groups(
+                    data, self.column, self.rank, self.nranks, self.keep_index, groups
+                )
         out: dict[str, Shard] = {}
         for (address, (first, last)), view in zip(ranges, tables, strict=True):
             start, stop = int(offsets[first]), int(offsets[last])
@@ -612,11 +611,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # whole without ever reaching those serializers; keys are derived
         # from each shard on receipt.
         self.raise_if_closed()
-        return await self.rpc(address).shuffle_receive(
-            data=wire_payload(shards),
-            shuffle_id=self.id,
-            run_id=self.run_id,
-        )
+        # Until the peer answers: the comm's write, then its receipt.
+        with copies.timed("send"):
+            return await self.rpc(address).shuffle_receive(
+                data=wire_payload(shards),
+                shuffle_id=self.id,
+                run_id=self.run_id,
+            )
 
     async def _unless_closing(self, awaitable: Awaitable[T]) -> T:
         """Await ``awaitable``; if the run starts closing first, cancel it instead."""
@@ -735,7 +736,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         nrows, tables = self.store.read(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)
-        return self.backend.assemble(tables, nrows, self.meta_out, self.keep_index)
+        with copies.timed("unpack"):
+            return self.backend.assemble(tables, nrows, self.meta_out, self.keep_index)
 
     def _get_assigned_worker(self, i: int) -> str:
         return self.worker_for[i]

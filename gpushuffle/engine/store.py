@@ -454,7 +454,7 @@ class ShardStore:
                     os.makedirs(self._directory, exist_ok=True)
                     self._directory_made = True
                 f = open(path, "ab")  # noqa: SIM115  (closed by the with below)
-            with f:
+            with f, copies.timed("spill"):
                 offset = f.tell()
                 for frame in frames:
                     f.write(frame)

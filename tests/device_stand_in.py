@@ -57,8 +57,14 @@ class DeviceStandInBackend(PandasBackend):
         table, offsets = super().split(frame, column, rank, nranks, keep_index)
         return StandInTable(len(table), super().nbytes(table), table=table), offsets
 
-    def split_groups(self, frame, column, rank, nranks, keep_index, groups):  # type: ignore[no-untyped-def]
-        tables, offsets = super().split_groups(frame, column, rank, nranks, keep_index, groups)
+    def split_groups(
+        self, frame, column, rank, nranks, keep_index, groups, borrow=None, local=None
+    ):  # type: ignore[no-untyped-def]
+        # The local group stays out of the others' buffers (a scatter
+        # writes the groups sent into one block per column).
+        tables, offsets = super().split_groups(
+            frame, column, rank, nranks, keep_index, groups, local=local
+        )
         nbytes = super().nbytes
         return [StandInTable(len(t), nbytes(t), table=t) for t in tables], offsets
 

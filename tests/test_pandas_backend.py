@@ -948,27 +948,29 @@ _ALL_KINDS = [
 ]
 
 
-def _split_with(reorder: str, df: pd.DataFrame, nparts: int, groups, borrow, keep_index: bool):
+def _split_with(reorder: str, df, nparts: int, groups, borrow, local, keep_index: bool):
     import dask
 
     rank = np.arange(nparts + 1, dtype=np.int16)
     with dask.config.set({"gpushuffle.split.reorder": reorder}):
         return PandasBackend().split_groups(
-            df, "_partitions", rank, nparts, keep_index, groups, borrow=borrow
+            df, "_partitions", rank, nparts, keep_index, groups, borrow=borrow, local=local
         )
 
 
 @pytest.mark.parametrize("index", ["range", "int", "string", "datetime"])
 @pytest.mark.parametrize(
-    ("groups", "borrow"),
+    ("groups", "borrow", "local"),
     [
-        ([(0, 6)], None),  # one group: every row scattered
-        ([(0, 2), (2, 4), (4, 6)], 1),  # the local group in the middle
-        ([(0, 3), (3, 6)], 0),
-        ([(0, 1), (1, 3), (3, 6)], 2),
+        ([(0, 6)], None, None),  # one group: every row scattered
+        ([(0, 2), (2, 4), (4, 6)], 1, 1),  # the local group borrowed, in the middle
+        ([(0, 3), (3, 6)], 0, 0),
+        ([(0, 1), (1, 3), (3, 6)], 2, 2),
+        ([(0, 2), (2, 4), (4, 6)], None, 1),  # not persisted: the local group copied
+        ([(0, 3), (3, 6)], None, None),  # a worker with no outputs: every group sent
     ],
 )
-def test_scatter_puts_every_dtype_in_the_same_order_as_gather(index, groups, borrow):
+def test_scatter_puts_every_dtype_in_the_same_order_as_gather(index, groups, borrow, local):
     """The scatter reorder gives the same tables as the gather, row for row,
     for every column kind (with nulls), index kind and group layout, and
     each output partition's rows as pandas selects them; the sent groups
@@ -977,8 +979,9 @@ def test_scatter_puts_every_dtype_in_the_same_order_as_gather(index, groups, bor
     df = _every_dtype_frame(3_000, nparts, index, seed=len(groups) + len(index))
     meta = df.iloc[:0].drop(columns="_partitions")
     backend = PandasBackend()
+    keep_index = index != "range"
     results = {
-        reorder: _split_with(reorder, df, nparts, groups, borrow, keep_index=index != "range")
+        reorder: _split_with(reorder, df, nparts, groups, borrow, local, keep_index)
         for reorder in ("gather", "scatter")
     }
     (gathered, offsets_g), (scattered, offsets_s) = results["gather"], results["scatter"]
@@ -987,21 +990,21 @@ def test_scatter_puts_every_dtype_in_the_same_order_as_gather(index, groups, bor
         start = int(offsets_g[first])
         for p in range(first, last):
             a, b = int(offsets_g[p]) - start, int(offsets_g[p + 1]) - start
-            out_g = backend.concat([backend.slice(gathered[g], a, b)], meta, index != "range")
-            out_s = backend.concat([backend.slice(scattered[g], a, b)], meta, index != "range")
+            out_g = backend.concat([backend.slice(gathered[g], a, b)], meta, keep_index)
+            out_s = backend.concat([backend.slice(scattered[g], a, b)], meta, keep_index)
             pd.testing.assert_frame_equal(out_s, out_g)
             expected = df[df["_partitions"] == p].drop(columns="_partitions")
-            if index == "range":
+            if not keep_index:
                 expected = expected.reset_index(drop=True)
             pd.testing.assert_frame_equal(out_s, expected)
-    sent = [t for g, t in enumerate(scattered) if g != borrow]
+    sent = [t for g, t in enumerate(scattered) if g != local]
     if len(sent) > 1:  # one block per column for the groups scattered together
         assert _root(sent[0].columns[0]) is _root(sent[1].columns[0])
-        sent_g = [t for g, t in enumerate(gathered) if g != borrow]
+        sent_g = [t for g, t in enumerate(gathered) if g != local]
         assert _root(sent_g[0].columns[0]) is not _root(sent_g[1].columns[0])
-    if borrow is not None and isinstance(scattered[borrow], PandasTable):
+    if local is not None and isinstance(scattered[local], PandasTable):
         for other in sent:  # the local copy keeps no sent rows alive
-            assert _root(scattered[borrow].columns[0]) is not _root(other.columns[0])
+            assert _root(scattered[local].columns[0]) is not _root(other.columns[0])
 
 
 def _root(array: np.ndarray) -> object:
@@ -1012,28 +1015,30 @@ def _root(array: np.ndarray) -> object:
 
 
 @pytest.mark.parametrize(
-    ("nrows", "ngroups", "scatters"),
+    ("nrows", "ngroups", "borrowed", "passes"),
     [
-        (20_000, 2, False),  # half sent, a small partition: the gather is faster
-        (20_000, 4, True),  # 3/4 sent
-        (300_000, 2, True),  # half sent, a large partition
-        (10_000, 4, False),  # too small
+        (20_000, 2, True, []),  # half sent, a small partition: the gather is faster
+        (20_000, 4, True, [[1, 2, 3]]),  # 3/4 sent
+        (300_000, 2, True, [[1]]),  # half sent, a large partition
+        (300_000, 2, False, [[1], [0]]),  # and the local half copied by a pass of its own
+        (300_000, 8, False, [list(range(1, 8))]),  # an eighth stays: gathered
+        (10_000, 4, True, []),  # too small
     ],
 )
-def test_auto_scatters_where_it_measured_faster(nrows, ngroups, scatters):
-    from gpushuffle.backends.pandas import _scattered_groups
+def test_auto_scatters_where_it_measured_faster(nrows, ngroups, borrowed, passes):
+    from gpushuffle.backends.pandas import _scatter_passes
 
     nparts = 40
     groups = [(nparts * i // ngroups, nparts * (i + 1) // ngroups) for i in range(ngroups)]
     offsets = np.linspace(0, nrows, nparts + 1).astype(np.int64)
-    chosen = _scattered_groups(groups, offsets, 0, nrows)
-    assert chosen == (list(range(1, ngroups)) if scatters else [])
-    # Without the local group's index the groups cannot share a block.
-    assert _scattered_groups(groups, offsets, None, nrows) == []
-    assert _scattered_groups([(0, nparts)], offsets, None, nrows) == ([0] if nrows > 16384 else [])
+    assert _scatter_passes(groups, offsets, 0, borrowed, nrows) == passes
+    # A worker with no output partitions sends every group: one pass.
+    assert _scatter_passes([(0, nparts)], offsets, None, False, nrows) == (
+        [[0]] if nrows >= 16_384 else []
+    )
 
 
 def test_an_unknown_reorder_is_refused_with_the_choices():
     df = frame_with_partitions(100, 4)
     with pytest.raises(ValueError, match=r"gpushuffle\.split\.reorder: 'sideways' is not one of"):
-        _split_with("sideways", df, 4, [(0, 4)], None, keep_index=True)
+        _split_with("sideways", df, 4, [(0, 4)], None, None, keep_index=True)

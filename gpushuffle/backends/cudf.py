@@ -186,6 +186,7 @@ class CudfBackend(TableBackend):
         keep_index: bool,
         groups: Sequence[tuple[int, int]],
         borrow: int | None = None,
+        local: int | None = None,
     ) -> tuple[list[CudfTable], np.ndarray]:
         """One gather per group of ranks, so that each destination's rows are
         device buffers of their own: the local shard kept in the store does

@@ -183,49 +183,58 @@ def _gather_positions(rows: np.ndarray) -> np.ndarray:
     return rows.astype(np.intp, copy=False)
 
 
-#: ``gpushuffle.split.reorder`` "auto" scatters the groups sent from an input
-#: partition of at least :data:`_SCATTER_MIN_ROWS` rows where they hold at
-#: least this share of its rows, or any share from :data:`_SCATTER_ANY_ROWS`
-#: rows on.  Measured in the split itself on the 2-core VM (16 numeric
-#: columns, 40 outputs, ms per partition, gather / scatter): 2 workers (half
-#: sent) 0.9 / 1.1 at 20k rows, 2.4 / 2.7 at 60k, 13.8 / 13.0 at 300k, 53 /
-#: 45 at 1M; 4 workers (3/4 sent) 2.0 / 1.2 at 20k, 3.7 / 2.8 at 60k, 19.6 /
-#: 15.1 at 300k, 106 / 52 at 1M; 8 workers 25.9 / 16.8 at 300k.
+#: ``gpushuffle.split.reorder`` "auto" scatters a set of groups (written in
+#: one pass over each column) where the partition has at least
+#: :data:`_SCATTER_MIN_ROWS` rows and they hold at least this share of them,
+#: or at least :data:`_SCATTER_HALF_ROWS` rows and half of them.  Measured in
+#: the split itself on the 2-core VM (16 numeric columns, 40 outputs, ms per
+#: partition, gather / scatter): 2 workers (half sent) 0.9 / 1.1 at 20k
+#: rows, 2.4 / 2.7 at 60k, 13.8 / 13.0 at 300k, 53 / 45 at 1M; 4 workers
+#: (3/4 sent) 2.0 / 1.2 at 20k, 3.7 / 2.8 at 60k, 19.6 / 15.1 at 300k, 106 /
+#: 52 at 1M; 8 workers 25.9 / 16.8 at 300k.
 _SCATTER_MIN_SHARE = 0.75
 _SCATTER_MIN_ROWS = 1 << 14
-_SCATTER_ANY_ROWS = 1 << 18
+_SCATTER_HALF_ROWS = 1 << 18
 
 _REORDERS = ("auto", "gather", "scatter")
 
 
-def _scattered_groups(
-    groups: Sequence[tuple[int, int]], offsets: np.ndarray, local: int | None, nrows: int
-) -> list[int]:
-    """The groups to reorder by scatter, in one block: every group but the
-    one staying on this worker (``local``, borrowed or in a block of its own,
-    as the store keeps it after the others were sent), where
-    ``gpushuffle.split.reorder`` says so (:data:`_SCATTER_MIN_SHARE`).
+def _worth_scattering(rows: int, nrows: int) -> bool:
+    """Whether "auto" scatters ``rows`` of a partition of ``nrows`` in one pass."""
+    if nrows >= _SCATTER_HALF_ROWS and 2 * rows >= nrows:
+        return True
+    return nrows >= _SCATTER_MIN_ROWS and rows >= _SCATTER_MIN_SHARE * nrows
 
-    Without ``local`` (``memory.borrow-inputs`` false) the backend cannot
-    tell which group stays, and a shared block would keep the sent rows
-    alive with it: only a single group is scattered then."""
+
+def _scatter_passes(
+    groups: Sequence[tuple[int, int]],
+    offsets: np.ndarray,
+    local: int | None,
+    borrowed: bool,
+    nrows: int,
+) -> list[list[int]]:
+    """The groups to reorder by scatter, one list per pass (each pass writes
+    its groups into one block per column): the groups sent to other workers
+    together, and the one staying on this worker (``local``) on its own,
+    unless ``borrowed``, since the store keeps it after the others were
+    sent.  ``gpushuffle.split.reorder`` decides which passes are made
+    (:func:`_worth_scattering` for "auto"); the other groups are gathered."""
     mode = config.get("split.reorder")
     if mode not in _REORDERS:
         raise ValueError(
             f"gpushuffle.split.reorder: {mode!r} is not one of {', '.join(_REORDERS)}; "
             "use 'auto' (the default)"
         )
-    if mode == "gather" or (local is None and len(groups) > 1):
+    if mode == "gather":
         return []
-    chosen = [g for g in range(len(groups)) if g != local]
-    rows = sum(int(offsets[groups[g][1]] - offsets[groups[g][0]]) for g in chosen)
-    if not rows:
-        return []
-    if mode == "auto" and not (
-        nrows >= _SCATTER_ANY_ROWS
-        or (nrows >= _SCATTER_MIN_ROWS and rows >= _SCATTER_MIN_SHARE * nrows)
-    ):
-        return []
+    passes = [[g for g in range(len(groups)) if g != local]]
+    if local is not None and not borrowed:
+        passes.append([local])
+    chosen = []
+    for groups_of_pass in passes:
+        rows = sum(int(offsets[groups[g][1]] - offsets[groups[g][0]]) for g in groups_of_pass)
+        if rows and (mode == "scatter" or _worth_scattering(rows, nrows)):
+            chosen.append(groups_of_pass)
     return chosen
 
 
@@ -371,6 +380,7 @@ class PandasBackend(TableBackend):
         keep_index: bool,
         groups: Sequence[tuple[int, int]],
         borrow: int | None = None,
+        local: int | None = None,
     ) -> tuple[list[PandasTable | BorrowedRows], np.ndarray]:
         keys = rank[frame[column].to_numpy()]
         # Radix sort for <= 16-bit keys: O(n), and stable, which keeps rows of
@@ -400,8 +410,9 @@ class PandasBackend(TableBackend):
                 row_bytes=_nbytes(PandasTable(values, index)) / max(len(frame), 1),
             )
         tables: list[PandasTable | BorrowedRows | None] = [None] * len(groups)
-        scattered = _scattered_groups(groups, offsets, borrow, len(frame))
-        if scattered:
+        if borrow is not None:
+            local = borrow
+        for scattered in _scatter_passes(groups, offsets, local, source is not None, len(frame)):
             parts = [
                 (order[offsets[a] : offsets[b]], offsets[a : b + 1] - offsets[a])
                 for a, b in (groups[g] for g in scattered)

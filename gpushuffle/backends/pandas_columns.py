@@ -120,7 +120,6 @@ def _scatter_rows(
         (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
     ]
     index_dtype = None if index is None else _index_dtype(index)
-    scatter_index = index_dtype is not None and not isinstance(index, pd.RangeIndex)
     total = sum(len(rows) for rows, _ in groups)
     # Where each input row goes: its place among the groups' rows, or the spare slot.
     places = np.full(nrows, total, dtype=np.intp)
@@ -128,8 +127,7 @@ def _scatter_rows(
     for (rows, _), start in zip(groups, starts, strict=True):
         places[rows] = np.arange(start, start + len(rows), dtype=np.intp)
     dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
-    if scatter_index:
-        assert index_dtype is not None
+    if index_dtype is not None:
         dtypes.append(index_dtype)
     carved = iter(_carve(pool, total + 1, dtypes, "split"))
     blocks: list[tuple[np.ndarray, ...] | None] = []
@@ -141,10 +139,9 @@ def _scatter_rows(
         for source, block in zip(parts, written, strict=True):
             block[places] = source
         blocks.append(written)
-    index_block = None
-    if scatter_index:
+    index_block = None if index_dtype is None else next(carved)
+    if index_block is not None and not isinstance(index, pd.RangeIndex):
         assert index is not None
-        index_block = next(carved)
         index_block[places] = index.values
     del places
     out = []
@@ -160,12 +157,15 @@ def _scatter_rows(
                 columns.append(filled[0][start:stop])
             else:
                 columns.append(flat.unflat(tuple(b[start:stop] for b in filled), v.dtype))
-        if index is None:
-            taken: np.ndarray | pd.Index | None = None
+        taken: np.ndarray | pd.Index | None = None
+        if isinstance(index, pd.RangeIndex):  # its values are computed
+            assert index_block is not None
+            taken = np.multiply(rows, index.step, out=index_block[start:stop])
+            taken += index.start
         elif index_block is not None:
             taken = index_block[start:stop]
-        else:  # a RangeIndex's values are computed; other indexes taken
-            taken = _index_rows(index, rows)
+        elif index is not None:
+            taken = index.take(rows)
         out.append((columns, taken))
     return out
 

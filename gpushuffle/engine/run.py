@@ -496,18 +496,19 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # holds anyway (a persisted frame): no copy, nothing to store.
         addresses = [address for address, _ in ranges]
         groups = [r for _, r in ranges]
-        borrow = None
-        if self.borrow_inputs and backend.borrows and self.local_address in addresses:
-            borrow = addresses.index(self.local_address)
+        local = addresses.index(self.local_address) if self.local_address in addresses else None
+        borrow = local if self.borrow_inputs and backend.borrows else None
         with copies.timed("split"):
-            if borrow is not None:
-                tables, offsets = backend.split_groups(
-                    data, self.column, self.rank, self.nranks, self.keep_index, groups, borrow
-                )
-            else:
-                tables, offsets = backend.split_groups(
-                    data, self.column, self.rank, self.nranks, self.keep_index, groups
-                )
+            tables, offsets = backend.split_groups(
+                data,
+                self.column,
+                self.rank,
+                self.nranks,
+                self.keep_index,
+                groups,
+                borrow=borrow,
+                local=local,
+            )
         out: dict[str, Shard] = {}
         for (address, (first, last)), view in zip(ranges, tables, strict=True):
             start, stop = int(offsets[first]), int(offsets[last])

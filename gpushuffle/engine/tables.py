@@ -113,6 +113,7 @@ class TableBackend(abc.ABC):
         keep_index: bool,
         groups: Sequence[tuple[int, int]],
         borrow: int | None = None,
+        local: int | None = None,
     ) -> tuple[list[Any], np.ndarray]:
         """:meth:`split`, with each group of ranks in buffers of its own.
 
@@ -129,6 +130,10 @@ class TableBackend(abc.ABC):
         the group that stays on this worker: the backend may
         return it as rows borrowed from ``frame`` instead of a copy, when
         the worker holds ``frame`` anyway (see :meth:`unshared_bytes`).
+        ``local`` names that group whether or not it may be borrowed: the
+        groups sent to other workers may share buffers (the pandas backend
+        scatters them into one block per column), the local one never does
+        (without ``local``, every group is taken to be sent).
         """
         table, offsets = self.split(frame, column, rank, nranks, keep_index)
         tables = [self.slice(table, int(offsets[a]), int(offsets[b])) for a, b in groups]

@@ -1017,10 +1017,9 @@ def _root(array: np.ndarray) -> object:
 @pytest.mark.parametrize(
     ("nrows", "ngroups", "borrowed", "passes"),
     [
-        (20_000, 2, True, []),  # half sent, a small partition: the gather is faster
+        (20_000, 2, True, []),  # half sent: the gather is as fast or faster
+        (1_000_000, 2, False, []),
         (20_000, 4, True, [[1, 2, 3]]),  # 3/4 sent
-        (300_000, 2, True, [[1]]),  # half sent, a large partition
-        (300_000, 2, False, [[1], [0]]),  # and the local half copied by a pass of its own
         (300_000, 8, False, [list(range(1, 8))]),  # an eighth stays: gathered
         (10_000, 4, True, []),  # too small
     ],
@@ -1034,6 +1033,10 @@ def test_auto_scatters_where_it_measured_faster(nrows, ngroups, borrowed, passes
     assert _scatter_passes(groups, offsets, 0, borrowed, nrows) == passes
     # A worker with no output partitions sends every group: one pass.
     assert _scatter_passes([(0, nparts)], offsets, None, False, nrows) == (
+        [[0]] if nrows >= 16_384 else []
+    )
+    # One worker: its only group is local, copied in a pass of its own.
+    assert _scatter_passes([(0, nparts)], offsets, 0, False, nrows) == (
         [[0]] if nrows >= 16_384 else []
     )
 

@@ -185,24 +185,22 @@ def _gather_positions(rows: np.ndarray) -> np.ndarray:
 
 #: ``gpushuffle.split.reorder`` "auto" scatters a set of groups (written in
 #: one pass over each column) where the partition has at least
-#: :data:`_SCATTER_MIN_ROWS` rows and they hold at least this share of them,
-#: or at least :data:`_SCATTER_HALF_ROWS` rows and half of them.  Measured in
-#: the split itself on the 2-core VM (16 numeric columns, 40 outputs, ms per
-#: partition, gather / scatter): 2 workers (half sent) 0.9 / 1.1 at 20k
-#: rows, 2.4 / 2.7 at 60k, 13.8 / 13.0 at 300k, 53 / 45 at 1M; 4 workers
-#: (3/4 sent) 2.0 / 1.2 at 20k, 3.7 / 2.8 at 60k, 19.6 / 15.1 at 300k, 106 /
-#: 52 at 1M; 8 workers 25.9 / 16.8 at 300k.
+#: :data:`_SCATTER_MIN_ROWS` rows and they hold at least this share of them.
+#: Measured in the split itself on the 2-core VM (16 numeric columns, 40
+#: outputs, ms per partition, gather / scatter): 4 workers (3/4 sent) 2.0 /
+#: 1.2 at 20k rows, 3.7 / 2.8 at 60k, 19.6 / 15.1 at 300k, 106 / 52 at 1M;
+#: 8 workers 25.9 / 16.8 at 300k.  Half of the rows is not enough: 2 workers
+#: 0.9 / 1.1 at 20k, 2.4 / 2.7 at 60k, 13.8 / 13.0 at 300k, 53 / 45 at 1M
+#: with the local half borrowed, and TPC-H lineitem's numeric columns (750k
+#: rows, the local half copied) 38.8 / 41.4: the pass reads every row.
 _SCATTER_MIN_SHARE = 0.75
 _SCATTER_MIN_ROWS = 1 << 14
-_SCATTER_HALF_ROWS = 1 << 18
 
 _REORDERS = ("auto", "gather", "scatter")
 
 
 def _worth_scattering(rows: int, nrows: int) -> bool:
     """Whether "auto" scatters ``rows`` of a partition of ``nrows`` in one pass."""
-    if nrows >= _SCATTER_HALF_ROWS and 2 * rows >= nrows:
-        return True
     return nrows >= _SCATTER_MIN_ROWS and rows >= _SCATTER_MIN_SHARE * nrows
 
 

@@ -5,7 +5,11 @@ sorts the partition ids once (stable) and takes each column once per
 destination worker, into one pooled block per destination, so every column
 of every shard is a contiguous array (which pickle protocol 5 sends out of
 band without a copy) and what goes to another worker is freed once sent,
-whatever the local shard keeps alive.  An output partition's numeric
+whatever the local shard keeps alive.  Where most of a partition's rows go
+to other workers (4 workers and more), its fixed-width columns are
+scattered instead, every destination's rows in one pass into one block
+(``gpushuffle.split.reorder``, :func:`_scatter_passes`): a gather reads a
+cache line for about every value, a scatter streams.  An output partition's numeric
 columns are allocated once, in one pooled block, and each piece is copied
 in and released before the next; a DataFrame is built around those arrays
 without consolidating them into 2-d blocks (that would copy every byte a

@@ -120,16 +120,12 @@ def _scatter_rows(
         (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
     ]
     index_dtype = None if index is None else _index_dtype(index)
-    total = sum(len(rows) for rows, _ in groups)
-    # Where each input row goes: its place among the groups' rows, or the spare slot.
-    places = np.full(nrows, total, dtype=np.intp)
-    starts = np.cumsum([0, *(len(rows) for rows, _ in groups)]).tolist()[:-1]
-    for (rows, _), start in zip(groups, starts, strict=True):
-        places[rows] = np.arange(start, start + len(rows), dtype=np.intp)
+    places, starts = _places(nrows, [rows for rows, _ in groups])
     dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
     if index_dtype is not None:
         dtypes.append(index_dtype)
-    carved = iter(_carve(pool, total + 1, dtypes, "split"))
+    spare = 1  # the slot rows of no group are written to
+    carved = iter(_carve(pool, sum(len(rows) for rows, _ in groups) + spare, dtypes, "split"))
     blocks: list[tuple[np.ndarray, ...] | None] = []
     for parts in sources:
         if parts is None:
@@ -144,30 +140,54 @@ def _scatter_rows(
         assert index is not None
         index_block[places] = index.values
     del places
-    out = []
-    for (rows, bounds), start in zip(groups, starts, strict=True):
-        stop = start + len(rows)
-        arrow_rows: list[arrow.Positions] = []
-        cuts = _output_cuts(bounds)
-        columns: list[Any] = []
-        for v, filled in zip(values, blocks, strict=True):
-            if filled is None:
-                columns.append(_take_column(v, rows, arrow_rows, cuts))
-            elif _poolable(v):
-                columns.append(filled[0][start:stop])
-            else:
-                columns.append(flat.unflat(tuple(b[start:stop] for b in filled), v.dtype))
-        taken: np.ndarray | pd.Index | None = None
-        if isinstance(index, pd.RangeIndex):  # its values are computed
-            assert index_block is not None
-            taken = np.multiply(rows, index.step, out=index_block[start:stop])
-            taken += index.start
-        elif index_block is not None:
-            taken = index_block[start:stop]
-        elif index is not None:
-            taken = index.take(rows)
-        out.append((columns, taken))
-    return out
+    return [
+        _scattered_group(values, blocks, index, index_block, rows, bounds, start)
+        for (rows, bounds), start in zip(groups, starts, strict=True)
+    ]
+
+
+def _places(nrows: int, groups: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Where each of ``nrows`` input rows goes when ``groups`` (positions,
+    in output order) are laid end to end: its place, or one spare slot past
+    the end for rows of no group; and where each group starts."""
+    total = sum(len(rows) for rows in groups)
+    places = np.full(nrows, total, dtype=np.intp)
+    starts = np.cumsum([0, *(len(rows) for rows in groups)]).tolist()[:-1]
+    for rows, start in zip(groups, starts, strict=True):
+        places[rows] = np.arange(start, start + len(rows), dtype=np.intp)
+    return places, starts
+
+
+def _scattered_group(
+    values: Sequence[Any],
+    blocks: Sequence[tuple[np.ndarray, ...] | None],
+    index: pd.Index | None,
+    index_block: np.ndarray | None,
+    rows: np.ndarray,
+    bounds: np.ndarray,
+    start: int,
+) -> tuple[list[Any], np.ndarray | pd.Index | None]:
+    """One group's columns and index out of the blocks :func:`_scatter_rows`
+    wrote (views), Arrow and object columns taken."""
+    stop = start + len(rows)
+    arrow_rows: list[arrow.Positions] = []
+    cuts = _output_cuts(bounds)
+    columns: list[Any] = []
+    for v, written in zip(values, blocks, strict=True):
+        if written is None:
+            columns.append(_take_column(v, rows, arrow_rows, cuts))
+        elif _poolable(v):
+            columns.append(written[0][start:stop])
+        else:
+            columns.append(flat.unflat(tuple(b[start:stop] for b in written), v.dtype))
+    if isinstance(index, pd.RangeIndex):  # its values are computed
+        assert index_block is not None
+        taken = np.multiply(rows, index.step, out=index_block[start:stop])
+        taken += index.start
+        return columns, taken
+    if index_block is not None:
+        return columns, index_block[start:stop]
+    return columns, None if index is None else index.take(rows)
 
 
 def _take_column(

@@ -539,6 +539,7 @@ def _worker_statistics() -> dict[str, Any]:
     row.update(transport.statistics.as_dict())
     row.update(copies.statistics.as_dict())
     row.update(copies.busy.as_dict())
+    row.update(copies.spent.as_dict())
     return row
 
 
@@ -589,8 +590,9 @@ def statistics(client: Any) -> Any:
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,
     frames handed to UCX as device buffers); and the bytes each stage of
     gpushuffle's path copied (``copied_split_bytes``, ``copied_send_bytes``,
-    ..., :mod:`gpushuffle.engine.copies`) and the nanoseconds each stage was
-    under way (``busy_split_ns``, ...).
+    ..., :mod:`gpushuffle.engine.copies`), the nanoseconds each stage was
+    under way (``busy_split_ns``, ...) and spent in it, summed over its
+    operations (``spent_split_ns``, ...).
     """
     import pandas as pd
 

@@ -52,6 +52,9 @@ class Result:
     #: Seconds each of gpushuffle's stages was under way in this run, summed
     #: over workers (:data:`gpushuffle.engine.copies.busy`).
     busy_seconds: dict[str, float] = field(default_factory=dict)
+    #: Seconds spent in each stage, summed over its operations and workers
+    #: (:data:`gpushuffle.engine.copies.spent`: thread time).
+    spent_seconds: dict[str, float] = field(default_factory=dict)
     #: Seconds per byte of a plain copy on the workers, measured just before
     #: this run, on all of them at once (median over workers).
     memcpy_s_per_byte: float | None = None
@@ -86,15 +89,20 @@ class Result:
 
     @property
     def x_of_memcpy(self) -> dict[str, float]:
-        """Per stage, its seconds per byte copied over a plain copy's: how far
-        from the floor.  Left out: stages not timed, and those that copied
-        under 1% of the input (their time is mostly not copying)."""
-        if not self.memcpy_s_per_byte:
+        """Per stage gpushuffle copies on a thread of its own, its thread
+        seconds per byte copied over a plain copy's on one thread: how far
+        from the floor.  Left out: ``send`` and ``receive`` (their time is
+        that of the comm: waiting for the peer, distributed's reads), and
+        stages that copied under 1% of the input (their time is mostly not
+        copying)."""
+        if not self.memcpy_s_per_byte or self.input_bytes <= 0:
             return {}
         return {
-            stage: self.busy_seconds[stage] / nbytes / self.memcpy_s_per_byte
+            stage: self.spent_seconds[stage] / nbytes / self.memcpy_s_per_byte
             for stage, nbytes in self.copied_bytes.items()
-            if nbytes >= 0.01 * self.input_bytes and self.busy_seconds.get(stage)
+            if stage in COPYING_STAGES
+            and nbytes >= 0.01 * self.input_bytes
+            and self.spent_seconds.get(stage)
         }
 
     @property
@@ -104,6 +112,9 @@ class Result:
             return None
         return sum(self.copied_bytes.values()) / self.input_bytes
 
+
+#: Stages whose time is gpushuffle's own copying (:attr:`Result.x_of_memcpy`).
+COPYING_STAGES = frozenset({"split", "serialize", "deserialize", "spill", "move", "unpack"})
 
 #: Column kinds of ``--dtypes mixed``, in the order they repeat.
 MIXED_KINDS = (
@@ -411,19 +422,21 @@ def _copied() -> dict[str, int]:
     return copies.statistics.as_dict()
 
 
-def _busy() -> dict[str, int]:
+def _stage_ns() -> dict[str, int]:
     from gpushuffle.engine import copies
 
-    return copies.busy.as_dict()
+    return {**copies.busy.as_dict(), **copies.spent.as_dict()}
 
 
-def _busy_total(client: Any) -> dict[str, float]:
-    """Seconds each stage was under way so far, summed over workers."""
-    total: dict[str, float] = {}
-    for row in client.run(_busy).values():
+def _stage_seconds(client: Any) -> dict[str, dict[str, float]]:
+    """Seconds each stage was under way (``busy``) and spent (``spent``) so
+    far, summed over workers."""
+    total: dict[str, dict[str, float]] = {"busy": {}, "spent": {}}
+    for row in client.run(_stage_ns).values():
         for key, value in row.items():
-            stage = key.removeprefix("busy_").removesuffix("_ns")
-            total[stage] = total.get(stage, 0.0) + value / 1e9
+            kind, _, rest = key.partition("_")
+            stage = rest.removesuffix("_ns")
+            total[kind][stage] = total[kind].get(stage, 0.0) + value / 1e9
     return total
 
 
@@ -554,7 +567,7 @@ def run_benchmark(
                 client.run(_collect, r == 0)
                 spilled_before = _spilled(client)
                 copied_before = _copied_total(client)
-                busy_before = _busy_total(client)
+                times_before = _stage_seconds(client)
                 client.run(_start_sampler, breakdown=True)
                 before = set(client.scheduler_info(n_workers=-1)["workers"])
                 start_time = time.time()
@@ -580,9 +593,12 @@ def run_benchmark(
                     stage: value - copied_before.get(stage, 0)
                     for stage, value in _copied_total(client).items()
                 }
-                busy = {
-                    stage: value - busy_before.get(stage, 0.0)
-                    for stage, value in _busy_total(client).items()
+                times = {
+                    kind: {
+                        stage: value - times_before[kind].get(stage, 0.0)
+                        for stage, value in by_stage.items()
+                    }
+                    for kind, by_stage in _stage_seconds(client).items()
                 }
                 _wait_until_released(client, baseline_tasks)
                 # Every worker restarted (each one's sampler went with it):
@@ -605,7 +621,8 @@ def run_benchmark(
                     peak_worker_rss_bytes=max(s["peak"] for s in samples.values()),
                     spilled_bytes=max(0, _spilled(client) - spilled_before),
                     copied_bytes=copied if method == "gpushuffle" else {},
-                    busy_seconds=busy if method == "gpushuffle" else {},
+                    busy_seconds=times["busy"] if method == "gpushuffle" else {},
+                    spent_seconds=times["spent"] if method == "gpushuffle" else {},
                     memcpy_s_per_byte=memcpy,
                     rss_before_bytes={w: s["timeline"][0][1] for w, s in samples.items()},
                     rss_after_bytes=(
@@ -692,22 +709,8 @@ def summarize(results: Sequence[Result]) -> list[dict[str, Any]]:
                     if rs[0].copied_bytes
                     else None
                 ),
-                "busy_seconds_by_stage": (
-                    {
-                        stage: statistics.median(r.busy_seconds.get(stage, 0.0) for r in rs)
-                        for stage in rs[0].busy_seconds
-                    }
-                    if rs[0].busy_seconds
-                    else None
-                ),
-                "x_of_memcpy_by_stage": (
-                    {
-                        stage: statistics.median(r.x_of_memcpy.get(stage, 0.0) for r in rs)
-                        for stage in rs[0].x_of_memcpy
-                    }
-                    if rs[0].x_of_memcpy
-                    else None
-                ),
+                "busy_seconds_by_stage": _median_by_stage([r.busy_seconds for r in rs]),
+                "x_of_memcpy_by_stage": _median_by_stage([r.x_of_memcpy for r in rs]),
                 "memcpy_gib_per_s": (
                     1 / statistics.median(r.memcpy_s_per_byte or 0 for r in rs) / 2**30
                     if rs[0].memcpy_s_per_byte
@@ -771,6 +774,14 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _median_by_stage(rows: Sequence[dict[str, float]]) -> dict[str, float] | None:
+    """Each stage's median over the runs that have it (None if none has any)."""
+    stages = dict.fromkeys(stage for row in rows for stage in row)
+    if not stages:
+        return None
+    return {stage: statistics.median(r[stage] for r in rows if stage in r) for stage in stages}
+
+
 def format_stages(row: dict[str, Any]) -> str | None:
     """A method's stages (medians over its runs): bytes copied per byte
     shuffled, seconds under way (summed over workers) and time per byte
@@ -783,8 +794,10 @@ def format_stages(row: dict[str, Any]) -> str | None:
     memcpy = row.get("memcpy_gib_per_s")
     header = f"{'stage':<14}{'copies/B':>10}{'busy s':>9}{'x of memcpy':>13}"
     lines = [
-        f"{row['method']} by stage (busy: summed over workers; memcpy: "
-        + (f"{memcpy:.2f} GiB/s on each worker, all at once)" if memcpy else "not measured)"),
+        f"{row['method']} by stage (busy: while under way, summed over workers; x of memcpy: "
+        "thread time per byte over a plain copy's, "
+        + (f"{memcpy:.2f} GiB/s on each worker, all at once;" if memcpy else "not measured;")
+        + " send waits for the peer, receive is the comm's)",
         header,
         "-" * len(header),
     ]

@@ -254,31 +254,36 @@ def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made):
 
 
 def test_a_stage_under_way_in_overlapping_blocks_counts_its_time_once():
-    """``copies.timed`` measures how long a stage was under way (what the
-    bench sets against a plain copy): two sends at once count their overlap
-    once, where a sum of their durations would count it twice."""
+    """``copies.timed`` measures how long a stage was under way and the time
+    spent in it: two blocks at once (two sends, two task threads) count
+    their overlap once as under way, twice as spent."""
     import threading
     import time
 
     from gpushuffle.engine import copies
 
-    before = copies.busy.send
+    stage = "move"  # no other test moves device tables on this CPU machine
+    assert copies._running[stage] == 0
+    busy, spent = copies.busy.move, copies.spent.move
     inner_started = threading.Event()
+    inner_took: list[int] = []
 
     def inner() -> None:
-        with copies.timed("send"):
+        start = time.perf_counter_ns()
+        with copies.timed(stage):
             inner_started.set()
             time.sleep(0.05)
+        inner_took.append(time.perf_counter_ns() - start)
 
     start = time.perf_counter_ns()
-    with copies.timed("send"):
+    with copies.timed(stage):
         thread = threading.Thread(target=inner)
         thread.start()
         inner_started.wait()
         time.sleep(0.1)
         thread.join()
     outer = time.perf_counter_ns() - start
-    counted = copies.busy.send - before
-    # The union is the outer block (the inner one ended inside it); a sum
-    # would add the inner 50 ms again.
-    assert outer - 5_000_000 <= counted <= outer
+    # Under way: the outer block (the inner one ended inside it); a sum
+    # would add the inner 50 ms again.  Spent: both blocks.
+    assert outer - 5_000_000 <= copies.busy.move - busy <= outer
+    assert outer - 5_000_000 <= copies.spent.move - spent - inner_took[0] <= outer

@@ -285,7 +285,8 @@ def _materialize(table: BorrowedRows) -> PandasTable:
     """The borrowed rows copied out of their input (before a spill)."""
     source = table.source
     rows = _gather_positions(table.rows)
-    columns, index = _take_rows(source.values, source.index, rows, host_pool())
+    with copies.timed("split"):
+        columns, index = _take_rows(source.values, source.index, rows, host_pool())
     copies.count("split", _nbytes(PandasTable(columns, index)))
     return PandasTable(columns, index, source.names)
 

@@ -77,7 +77,7 @@ statistics = CopyStatistics()
 
 
 @dataclass
-class StageSeconds(Counters):
+class StageBusyNs(Counters):
     """Nanoseconds each stage was under way (cumulative, this process): the
     time while at least one of its operations ran, so overlapping sends (or
     two task threads splitting) count once."""
@@ -95,8 +95,18 @@ class StageSeconds(Counters):
     unpack: int = 0
 
 
-#: This process's busy time per stage (:func:`timed`).
-busy = StageSeconds()
+@dataclass
+class StageSpentNs(StageBusyNs):
+    """Nanoseconds spent in each stage, summed over its operations: two task
+    threads splitting at once count twice (thread time, as a copy on one
+    thread is measured)."""
+
+    PREFIX = "spent_"
+
+
+#: This process's time per stage (:func:`timed`): under way, and summed.
+busy = StageBusyNs()
+spent = StageSpentNs()
 
 _running: dict[str, int] = dict.fromkeys(STAGES, 0)
 _since: dict[str, int] = dict.fromkeys(STAGES, 0)
@@ -106,19 +116,24 @@ _running_lock = threading.Lock()
 @contextmanager
 def timed(stage: str) -> Iterator[None]:
     """Count the time inside the block as ``stage`` being under way (in
-    :data:`busy`), once for blocks that overlap, in any thread."""
+    :data:`busy`, once for blocks that overlap) and spent (in :data:`spent`,
+    every block), in any thread.  A busy interval is added when the last of
+    its overlapping blocks ends."""
     assert stage in _STAGE_SET, stage
+    start = time.perf_counter_ns()
     with _running_lock:
         if not _running[stage]:
-            _since[stage] = time.perf_counter_ns()
+            _since[stage] = start
         _running[stage] += 1
     try:
         yield
     finally:
+        end = time.perf_counter_ns()
+        spent.add(**{stage: end - start})
         with _running_lock:
             _running[stage] -= 1
             if not _running[stage]:
-                busy.add(**{stage: time.perf_counter_ns() - _since[stage]})
+                busy.add(**{stage: end - _since[stage]})
 
 
 def memcpy_seconds_per_byte(nbytes: int = 128 * 2**20, repeat: int = 3) -> float:

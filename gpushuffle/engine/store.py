@@ -374,7 +374,7 @@ class ShardStore:
             start = time.perf_counter()
             # Off the event loop: a device -> host copy takes as long as
             # its bytes need, and receives must go on meanwhile.
-            host_table = await self._offload(self._backend.to_host, piece.table)
+            host_table = await self._offload(self._to_host, piece.table)
             copies.count("move", piece.nbytes)
             moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
             with self._lock:
@@ -437,9 +437,15 @@ class ShardStore:
 
     def _append_all(self, items: list[tuple[int, Any]]) -> list[_DiskLocation]:
         # Serializing (pickling, for pandas) happens here, off the event loop.
-        return [
-            self._append(partition, *self._backend.serialize(table)) for partition, table in items
-        ]
+        return [self._append(partition, *self._serialized(table)) for partition, table in items]
+
+    def _to_host(self, table: Any) -> Any:
+        with copies.timed("move"):
+            return self._backend.to_host(table)
+
+    def _serialized(self, table: Any) -> tuple[dict[str, Any], list[Any]]:
+        with copies.timed("serialize"):
+            return self._backend.serialize(table)
 
     def _append(self, partition: int, header: dict[str, Any], frames: list[Any]) -> _DiskLocation:
         path = os.path.join(self._directory, f"{partition}.bin")
@@ -567,7 +573,8 @@ class ShardStore:
         self._memory.moved(DISK, HOST, piece.nbytes, time.perf_counter() - start)
         self.statistics.bytes_read_back += piece.nbytes
         start = time.perf_counter()
-        table = self._backend.deserialize(location.header, frames)
+        with copies.timed("deserialize"):
+            table = self._backend.deserialize(location.header, frames)
         if self._backend.tier == DEVICE:
             # A device backend's deserialize copies the frames to the device.
             self._memory.moved(HOST, DEVICE, piece.nbytes, time.perf_counter() - start)

@@ -69,7 +69,8 @@ def _spill_files(dask_worker) -> list[str]:
     ]
 
 
-def test_each_destination_is_split_into_buffers_of_its_own():
+@pytest.mark.parametrize("reorder", ["gather", "scatter"])
+def test_each_destination_is_split_into_buffers_of_its_own(reorder):
     """The shard sent to another worker frees its memory once dropped, even
     while the local shard (kept in the store) lives on; scattered (400k
     rows, half of them local) or gathered alike."""
@@ -86,9 +87,10 @@ def test_each_destination_is_split_into_buffers_of_its_own():
 
     saved, pool_module._POOL = pool_module._POOL, pool
     try:
-        (local, remote), offsets = backend.split_groups(
-            df, "_partitions", np.arange(4, dtype=np.int16), 4, True, [(0, 2), (2, 4)], local=0
-        )
+        with dask.config.set({"gpushuffle.split.reorder": reorder}):
+            (local, remote), offsets = backend.split_groups(
+                df, "_partitions", np.arange(4, dtype=np.int16), 4, True, [(0, 2), (2, 4)], local=0
+            )
     finally:
         pool_module._POOL = saved
     assert len(local) == offsets[2] and len(remote) == n - offsets[2]

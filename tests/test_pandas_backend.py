@@ -920,7 +920,9 @@ def _every_dtype_frame(n: int, nparts: int, index: str, seed: int) -> pd.DataFra
     df = pd.DataFrame({f"c_{k}": column(k, n, rng) for k in _ALL_KINDS})
     df["dt"] = pd.to_datetime(rng.integers(0, 10**9, n), unit="s")
     df["td"] = pd.to_timedelta(rng.integers(0, 10**6, n), unit="s")
-    if index == "int":
+    if index == "range-kept":
+        df.index = pd.RangeIndex(5, 5 + 3 * n, 3, name="ix")
+    elif index == "int":
         df.index = pd.Index(rng.permutation(n) * 3, name="ix")
     elif index == "string":
         df.index = pd.Index([f"r{i}" for i in rng.permutation(n)], name="ix")
@@ -958,7 +960,7 @@ def _split_with(reorder: str, df, nparts: int, groups, borrow, local, keep_index
         )
 
 
-@pytest.mark.parametrize("index", ["range", "int", "string", "datetime"])
+@pytest.mark.parametrize("index", ["range", "range-kept", "int", "string", "datetime"])
 @pytest.mark.parametrize(
     ("groups", "borrow", "local"),
     [
@@ -1039,6 +1041,48 @@ def test_auto_scatters_where_it_measured_faster(nrows, ngroups, borrowed, passes
     assert _scatter_passes([(0, nparts)], offsets, 0, False, nrows) == (
         [[0]] if nrows >= 16_384 else []
     )
+
+
+def test_a_scattered_group_held_back_is_detached_from_the_others():
+    """A sent group that the engine holds back (a small shard waiting for
+    others to its peer) is copied out of the block the scatter shared
+    between destinations, so that it keeps only its own rows alive; a
+    table of its own is returned as it is."""
+    nparts = 6
+    df = _every_dtype_frame(3_000, nparts, "int", seed=7)
+    groups = [(0, 2), (2, 4), (4, 6)]
+    tables, _ = _split_with("scatter", df, nparts, groups, None, 0, keep_index=True)
+    backend = PandasBackend()
+    meta = df.iloc[:0].drop(columns="_partitions")
+    small, other = tables[1], tables[2]
+    assert small.shared and _root(small.columns[0]) is _root(other.columns[0])
+    detached = backend.detached(small)
+    assert not detached.shared
+    for column in (*detached.columns, detached.index):
+        if isinstance(column, np.ndarray):
+            assert _root(column) is not _root(other.columns[0])
+    pd.testing.assert_frame_equal(
+        backend.concat([detached], meta, True), backend.concat([small], meta, True)
+    )
+    assert backend.detached(tables[0]) is tables[0]  # the local group: a block of its own
+    gathered, _ = _split_with("gather", df, nparts, groups, None, 0, keep_index=True)
+    assert backend.detached(gathered[1]) is gathered[1]
+
+
+def test_groups_without_rows_and_frames_without_rows_scatter():
+    nparts = 6
+    df = _every_dtype_frame(2_000, nparts, "int", seed=3)
+    df = df[~df["_partitions"].isin([2, 3])]  # the middle group gets no rows
+    groups = [(0, 2), (2, 4), (4, 6)]
+    for frame in (df, df.iloc[:0]):
+        tables, _ = _split_with("scatter", frame, nparts, groups, None, 0, True)
+        gathered, _ = _split_with("gather", frame, nparts, groups, None, 0, True)
+        assert len(tables[1]) == 0
+        meta = frame.iloc[:0].drop(columns="_partitions")
+        for t, g in zip(tables, gathered, strict=True):
+            pd.testing.assert_frame_equal(
+                PandasBackend().concat([t], meta, True), PandasBackend().concat([g], meta, True)
+            )
 
 
 def test_an_unknown_reorder_is_refused_with_the_choices():

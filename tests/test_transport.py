@@ -231,12 +231,17 @@ def runs_made(monkeypatch):
 
 
 @pytest.mark.usefixtures("runs_made")
-def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made):
+@pytest.mark.parametrize("reorder", ["auto", "scatter"])
+def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made, reorder):
+    """With ``scatter`` every destination's rows share one block per input:
+    a shard held back is copied out of it first, so that it keeps only its
+    own rows alive (``auto`` gathers partitions this small)."""
     from faults import assert_correct, cluster_test, gpushuffled, truth
 
     nin, rows, nout = 36, 5_000, 18
+    config = {"gpushuffle.comm.message-bytes-limit": "1 MiB", "gpushuffle.split.reorder": reorder}
 
-    @cluster_test(n_workers=9, config={"gpushuffle.comm.message-bytes-limit": "1 MiB"})
+    @cluster_test(n_workers=9, config=config)
     async def run(c, s, *workers):
         parts = await c.gather(c.compute(gpushuffled(nin, rows, nout).to_delayed()))
         assert_correct(parts, truth(nin, rows, nout))
@@ -251,6 +256,8 @@ def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made):
     # they go): without it, the peaks would pass it.
     assert max(m.lingering_peak for m in runs_made) > made.linger_total // 2
     assert sum(m.lingering_sheds for m in runs_made) > 0
+    detached = sum(m.lingering_detached for m in runs_made)
+    assert detached > 0 if reorder == "scatter" else detached == 0
 
 
 def test_a_stage_under_way_in_overlapping_blocks_counts_its_time_once():

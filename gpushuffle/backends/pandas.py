@@ -6,10 +6,12 @@ destination worker, into one pooled block per destination, so every column
 of every shard is a contiguous array (which pickle protocol 5 sends out of
 band without a copy) and what goes to another worker is freed once sent,
 whatever the local shard keeps alive.  Where most of a partition's rows go
-to other workers (4 workers and more), its fixed-width columns are
-scattered instead, every destination's rows in one pass into one block
-(``gpushuffle.split.reorder``, :func:`_scatter_passes`): a gather reads a
-cache line for about every value, a scatter streams.  An output partition's numeric
+to other workers (4 workers and more; or all of them stay, on one worker),
+its fixed-width columns are scattered instead, every destination's rows in
+one pass into one pooled block (``gpushuffle.split.reorder``,
+:func:`_scatter_passes`): a gather reads a cache line for about every
+value, a scatter streams.  A shard the engine holds back is then copied
+out of that block (:meth:`PandasBackend.detached`).  An output partition's numeric
 columns are allocated once, in one pooled block, and each piece is copied
 in and released before the next; a DataFrame is built around those arrays
 without consolidating them into 2-d blocks (that would copy every byte a
@@ -58,6 +60,7 @@ from gpushuffle.backends.pandas_columns import (
     _as_index,
     _carve,
     _concat_index,
+    _copied_out,
     _index_rows,
     _index_values,
     _scatter_rows,
@@ -95,6 +98,10 @@ class PandasTable:
     #: (see :func:`_standalone`): an Arrow chunk made of such buffers alone
     #: can become part of an output without keeping anything else alive.
     standalone: frozenset[int] = frozenset()
+    #: Whether the columns are views of blocks that other destinations' rows
+    #: share (a scatter pass, :func:`_scatter_passes`): what keeps this
+    #: table alive keeps theirs (see :meth:`PandasBackend.detached`).
+    shared: bool = False
 
     def __len__(self) -> int:
         if self.columns:
@@ -193,7 +200,9 @@ def _gather_positions(rows: np.ndarray) -> np.ndarray:
 #: Measured in the split itself on the 2-core VM (16 numeric columns, 40
 #: outputs, ms per partition, gather / scatter): 4 workers (3/4 sent) 2.0 /
 #: 1.2 at 20k rows, 3.7 / 2.8 at 60k, 19.6 / 15.1 at 300k, 106 / 52 at 1M;
-#: 8 workers 25.9 / 16.8 at 300k.  Half of the rows is not enough: 2 workers
+#: 8 workers 25.9 / 16.8 at 300k (40 outputs throughout: more outputs mean
+#: more write streams, with fewer rows each).  Half of the rows is not
+#: enough: 2 workers
 #: 0.9 / 1.1 at 20k, 2.4 / 2.7 at 60k, 13.8 / 13.0 at 300k, 53 / 45 at 1M
 #: with the local half borrowed, and TPC-H lineitem's numeric columns (750k
 #: rows, the local half copied) 38.8 / 41.4: the pass reads every row.
@@ -216,7 +225,7 @@ def _scatter_passes(
     nrows: int,
 ) -> list[list[int]]:
     """The groups to reorder by scatter, one list per pass (each pass writes
-    its groups into one block per column): the groups sent to other workers
+    its groups into one pooled block): the groups sent to other workers
     together, and the one staying on this worker (``local``) on its own,
     unless ``borrowed``, since the store keeps it after the others were
     sent.  ``gpushuffle.split.reorder`` decides which passes are made
@@ -414,6 +423,7 @@ class PandasBackend(TableBackend):
             )
         tables: list[PandasTable | BorrowedRows | None] = [None] * len(groups)
         if borrow is not None:
+            assert local in (None, borrow), (local, borrow)
             local = borrow
         for scattered in _scatter_passes(groups, offsets, local, source is not None, len(frame)):
             parts = [
@@ -423,7 +433,7 @@ class PandasBackend(TableBackend):
             for g, (columns, taken) in zip(
                 scattered, _scatter_rows(values, index, len(frame), parts, pool), strict=True
             ):
-                tables[g] = PandasTable(columns, taken, names)
+                tables[g] = PandasTable(columns, taken, names, shared=len(scattered) > 1)
         for group, (first, last) in enumerate(groups):
             if tables[group] is not None:
                 continue
@@ -450,7 +460,20 @@ class PandasBackend(TableBackend):
             None if table.index is None else table.index[start:stop],
             table.names,
             table.standalone,
+            table.shared,
         )
+
+    def detached(self, table: PandasTable | BorrowedRows) -> PandasTable | BorrowedRows:
+        """``table`` with its numpy data copied into a block of its own where
+        it shares one with other destinations' rows (:attr:`PandasTable.shared`);
+        Arrow and object columns are the table's own already."""
+        if not isinstance(table, PandasTable) or not table.shared:
+            return table
+        with copies.timed("split"):
+            columns, index = _copied_out(table.columns, table.index, host_pool())
+        copied = PandasTable(columns, index, table.names, table.standalone)
+        copies.count("split", _nbytes(copied))
+        return copied
 
     def assemble(
         self, tables: Iterable[PandasTable], nrows: int, meta: pd.DataFrame, keep_index: bool

@@ -113,7 +113,8 @@ def _scatter_rows(
     sequential write per output partition, where a gather reads a cache line
     for about every value once a column outgrows the caches.  Rows of no
     group are written to one spare slot past the end.  The groups' columns
-    are views of one pooled block per column: they are freed together.
+    are views of the arrays carved for the pass (one pooled block, or a few):
+    they are freed together.
     Arrow and object columns are taken per group, as :func:`_take_rows` does.
     """
     sources: list[tuple[np.ndarray, ...] | None] = [
@@ -144,6 +145,36 @@ def _scatter_rows(
         _scattered_group(values, blocks, index, index_block, rows, bounds, start)
         for (rows, bounds), start in zip(groups, starts, strict=True)
     ]
+
+
+def _copied_out(
+    columns: Sequence[Any], index: np.ndarray | pd.Index | None, pool: HostBufferPool
+) -> tuple[list[Any], np.ndarray | pd.Index | None]:
+    """``columns`` and ``index`` with their numpy data (numpy columns, flat
+    buffers of extension arrays, a plain index's values) copied into one
+    pooled block; other columns as they are."""
+    sources: list[tuple[np.ndarray, ...] | None] = [
+        (c,) if _poolable(c) else flat.flat(c, c.dtype) for c in columns
+    ]
+    arrays = [a for parts in sources if parts is not None for a in parts]
+    if isinstance(index, np.ndarray):
+        arrays.append(index)
+    n = len(arrays[0]) if arrays else 0
+    carved = iter(_carve(pool, n, [a.dtype for a in arrays], "split"))
+    copied: list[Any] = []
+    for c, parts in zip(columns, sources, strict=True):
+        if parts is None:
+            copied.append(c)
+            continue
+        own = tuple(next(carved) for _ in parts)
+        for source, target in zip(parts, own, strict=True):
+            np.copyto(target, source)
+        copied.append(own[0] if _poolable(c) else flat.unflat(own, c.dtype))
+    if isinstance(index, np.ndarray):
+        target = next(carved)
+        np.copyto(target, index)
+        return copied, target
+    return copied, index
 
 
 def _places(nrows: int, groups: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:

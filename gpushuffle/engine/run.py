@@ -149,8 +149,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # Remote shards smaller than this wait, per worker, until this much
         # is ready (or every input is in): at most this per peer is held.
         # Host shards only: a pandas split gives each destination buffers of
-        # its own, while a cuDF shard is a view of the whole reordered input
-        # partition, which a waiting shard would keep on the device.
+        # its own (or the shard waits as a copy, TableBackend.detached, where
+        # a scatter shared them), while a cuDF shard is a view of the whole
+        # reordered input partition, which a waiting shard would keep on the
+        # device.
         self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
         self.same_host_reads = bool(config.get("comm.same-host-reads"))
         self._host = get_address_host(worker.address)
@@ -164,6 +166,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         #: the cap sent peers' shards early.
         self.lingering_peak = 0
         self.lingering_sheds = 0
+        self.lingering_detached = 0
         self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
         self._inputs_done_started = False
         self._too_large: ShuffleOutputTooLargeError | None = None
@@ -273,7 +276,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 # Small shards wait for others to the same worker: the comm
                 # buffer sends whatever it holds at once, so with many small
                 # input partitions every transfer would cost a message (an
-                # RPC on both sides) for a few rows.
+                # RPC on both sides) for a few rows.  A waiting shard must
+                # keep only its own rows alive (a scatter shares blocks).
+                detached = self.backend.detached(shard.table)
+                if detached is not shard.table:
+                    shard.table = detached
+                    self.lingering_detached += 1
                 self._lingering.setdefault(address, []).append(shard)
                 self._lingering_bytes[address] = (
                     self._lingering_bytes.get(address, 0) + shard.nbytes

@@ -132,7 +132,7 @@ class TableBackend(abc.ABC):
         the worker holds ``frame`` anyway (see :meth:`unshared_bytes`).
         ``local`` names that group whether or not it may be borrowed: the
         groups sent to other workers may share buffers (the pandas backend
-        scatters them into one block per column), the local one never does
+        scatters them into one pooled block), the local one never does
         (without ``local``, every group is taken to be sent).
         """
         table, offsets = self.split(frame, column, rank, nranks, keep_index)
@@ -159,6 +159,13 @@ class TableBackend(abc.ABC):
     def concat(self, tables: Sequence[Any], meta: Any, keep_index: bool) -> Any:
         """:meth:`assemble` for tables already in memory."""
         return self.assemble(tables, sum(self.nrows(t) for t in tables), meta, keep_index)
+
+    def detached(self, table: Any) -> Any:
+        """``table`` in buffers that hold nothing but its rows: what the engine
+        holds back for a while (a small shard waiting for others to the same
+        peer) must not keep other destinations' rows alive.  Identity here;
+        backends whose split shares buffers between destinations copy."""
+        return table
 
     def to_host(self, table: Any) -> Any:
         """A copy of a device table in host memory (identity for host backends)."""

@@ -797,8 +797,8 @@ def test_bench_plot_writes_a_png(tmp_path):
         assert {"split", "unpack"} <= set(run["x_of_memcpy"])
         assert not {"send", "receive"} & set(run["x_of_memcpy"])
         assert run["busy_seconds"]["send"] > 0
-        # One thread per worker: a stage's thread time is its time under way.
-        assert run["spent_seconds"]["split"] == pytest.approx(run["busy_seconds"]["split"])
+        # Overlapping operations count once under way, each time spent.
+        assert run["busy_seconds"]["split"] <= run["spent_seconds"]["split"] + 1e-6
         assert all(x > 0.5 for x in run["x_of_memcpy"].values()), run["x_of_memcpy"]
         assert run["busy_seconds"]["split"] < run["wall_s"] * 2  # 2 workers, 1 thread each
     assert all(r["busy_seconds"] == {} == r["spent_seconds"] and r["memcpy_s_per_byte"] is None

@@ -515,23 +515,24 @@ def test_pool_respects_its_limit_and_small_requests_bypass_it():
     assert pool.statistics.bytes_released >= 16_000_000
 
 
-dtypes = st.sampled_from(
-    [
-        "int64",
-        "float64",
-        "bool",
-        "string",
-        "category",
-        "Int64",
-        "tz",
-        "decimal",
-        "date32",
-        "Float64",
-        "boolean",
-        "arrow-int-nulls",
-        "arrow-chunked",
-    ]
-)
+#: Every column kind :func:`column` makes (nulls and NaN among them).
+_ALL_KINDS = [
+    "int64",
+    "float64",
+    "bool",
+    "string",
+    "category",
+    "Int64",
+    "tz",
+    "decimal",
+    "date32",
+    "Float64",
+    "boolean",
+    "arrow-int-nulls",
+    "arrow-chunked",
+]
+
+dtypes = st.sampled_from(_ALL_KINDS)
 
 
 def column(dtype: str, n: int, rng: np.random.Generator) -> object:
@@ -931,23 +932,6 @@ def _every_dtype_frame(n: int, nparts: int, index: str, seed: int) -> pd.DataFra
     # Rank ``nparts`` belongs to outputs nobody asked for: dropped either way.
     df["_partitions"] = rng.integers(0, nparts + 1, n).astype(np.int16)
     return df
-
-
-_ALL_KINDS = [
-    "int64",
-    "float64",
-    "bool",
-    "string",
-    "category",
-    "Int64",
-    "tz",
-    "decimal",
-    "date32",
-    "Float64",
-    "boolean",
-    "arrow-int-nulls",
-    "arrow-chunked",
-]
 
 
 def _split_with(reorder: str, df, nparts: int, groups, borrow, local, keep_index: bool):

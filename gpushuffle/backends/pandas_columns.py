@@ -50,6 +50,14 @@ def _index_dtype(index: pd.Index) -> np.dtype | None:
     return None
 
 
+def _numpy_parts(values: Sequence[Any]) -> list[tuple[np.ndarray, ...] | None]:
+    """Per column, the numpy arrays a take or a copy works on: the column
+    itself (numpy data), an extension array's flat buffers
+    (:mod:`~gpushuffle.backends.flat`), or None for a column taken its own way
+    (Arrow, object)."""
+    return [(v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values]
+
+
 def _take_rows(
     values: Sequence[Any],
     index: pd.Index | None,
@@ -66,9 +74,7 @@ def _take_rows(
     :func:`_output_cuts`)."""
     # Per column: its numpy arrays to take from (one, or an extension
     # array's flat buffers), or None for a column taken by its own take.
-    sources: list[tuple[np.ndarray, ...] | None] = [
-        (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
-    ]
+    sources = _numpy_parts(values)
     index_dtype = None if index is None else _index_dtype(index)
     dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
     if index_dtype is not None:
@@ -117,9 +123,7 @@ def _scatter_rows(
     they are freed together.
     Arrow and object columns are taken per group, as :func:`_take_rows` does.
     """
-    sources: list[tuple[np.ndarray, ...] | None] = [
-        (v,) if _poolable(v) else flat.flat(v, v.dtype) for v in values
-    ]
+    sources = _numpy_parts(values)
     index_dtype = None if index is None else _index_dtype(index)
     places, starts = _places(nrows, [rows for rows, _ in groups])
     dtypes = [a.dtype for parts in sources if parts is not None for a in parts]
@@ -153,9 +157,7 @@ def _copied_out(
     """``columns`` and ``index`` with their numpy data (numpy columns, flat
     buffers of extension arrays, a plain index's values) copied into one
     pooled block; other columns as they are."""
-    sources: list[tuple[np.ndarray, ...] | None] = [
-        (c,) if _poolable(c) else flat.flat(c, c.dtype) for c in columns
-    ]
+    sources = _numpy_parts(columns)
     arrays = [a for parts in sources if parts is not None for a in parts]
     if isinstance(index, np.ndarray):
         arrays.append(index)

@@ -54,11 +54,8 @@ STAGES = (
 
 
 @dataclass
-class CopyStatistics(Counters):
-    """Bytes copied per stage (cumulative, this process)."""
-
-    PREFIX = "copied_"
-    SUFFIX = "_bytes"
+class StageCounters(Counters):
+    """One counter per stage (:data:`STAGES`)."""
 
     split: int = 0
     serialize: int = 0
@@ -68,6 +65,14 @@ class CopyStatistics(Counters):
     spill: int = 0
     move: int = 0
     unpack: int = 0
+
+
+@dataclass
+class CopyStatistics(StageCounters):
+    """Bytes copied per stage (cumulative, this process)."""
+
+    PREFIX = "copied_"
+    SUFFIX = "_bytes"
 
 
 _STAGE_SET = frozenset(STAGES)
@@ -77,22 +82,13 @@ statistics = CopyStatistics()
 
 
 @dataclass
-class StageBusyNs(Counters):
+class StageBusyNs(StageCounters):
     """Nanoseconds each stage was under way (cumulative, this process): the
     time while at least one of its operations ran, so overlapping sends (or
     two task threads splitting) count once."""
 
     PREFIX = "busy_"
     SUFFIX = "_ns"
-
-    split: int = 0
-    serialize: int = 0
-    send: int = 0
-    receive: int = 0
-    deserialize: int = 0
-    spill: int = 0
-    move: int = 0
-    unpack: int = 0
 
 
 @dataclass

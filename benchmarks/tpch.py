@@ -38,14 +38,26 @@ def generate(data: str, scale: float, parts: int) -> None:
     """Write the TPC-H tables as Parquet with tpchgen-cli, ``parts`` files each."""
     if all(os.path.isdir(os.path.join(data, t)) for t in TABLES):
         return
+    subprocess.run(
+        [_tpchgen(), "parquet", "-s", str(scale), "--parts", str(parts), "-o", data], check=True
+    )
+
+
+def generate_table(data: str, table: str, scale: float, parts: int) -> None:
+    """Write one TPC-H table under ``data/table`` (unless it is there)."""
+    if os.path.isdir(os.path.join(data, table)):
+        return
+    command = [_tpchgen(), "parquet", "-s", f"{scale:.6f}", "--tables", table]
+    subprocess.run([*command, "--parts", str(parts), "-o", data], check=True)
+
+
+def _tpchgen() -> str:
     exe = shutil.which("tpchgen-cli") or os.path.join(
         os.path.dirname(sys.executable), "tpchgen-cli"
     )
     if not os.path.exists(exe):
         raise SystemExit("tpchgen-cli not found: pip install -e '.[bench]'")
-    subprocess.run(
-        [exe, "parquet", "-s", str(scale), "--parts", str(parts), "-o", data], check=True
-    )
+    return exe
 
 
 def run(

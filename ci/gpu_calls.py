@@ -39,6 +39,7 @@ RAPIDS = (
     "dask_cudf",
     "dask_cuda",
     "distributed.diagnostics.nvml",
+    "nvidia.nvcomp",
 )
 
 #: The table's shorthand for two paths; other paths are relative to gpushuffle/.

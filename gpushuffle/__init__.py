@@ -13,6 +13,7 @@ from gpushuffle import config as _config  # noqa: F401  (loads defaults)
 from gpushuffle import transport as _transport  # noqa: F401  (registers serializers)
 from gpushuffle.api import METHOD, install, peer_statistics, shuffle, statistics
 from gpushuffle.errors import (
+    ShuffleCodecError,
     ShuffleCommError,
     ShuffleDiskFullError,
     ShuffleInputError,
@@ -30,6 +31,7 @@ install()
 
 __all__ = [
     "METHOD",
+    "ShuffleCodecError",
     "ShuffleCommError",
     "ShuffleDiskFullError",
     "ShuffleInputError",

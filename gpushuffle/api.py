@@ -47,6 +47,7 @@ from gpushuffle._distributed import (
     get_default_shuffle_method,
 )
 from gpushuffle.backends import backend_for
+from gpushuffle.engine import links
 from gpushuffle.engine.join import PARTITION_COLUMN, join_transfer, join_unpack
 from gpushuffle.engine.partitioning import PartitioningIndex
 from gpushuffle.engine.run import GPUShuffleSpec
@@ -86,6 +87,7 @@ class GPUShuffle(SimpleShuffle):
     def _layer(self) -> dict:
         frame_meta = self.frame._meta
         backend_for(frame_meta)  # unsupported frame types fail here, not on workers
+        links.configured_mode()  # and so does a bad setting
         if self.npartitions_out < 1:
             raise ValueError(f"npartitions must be at least 1, got {self.npartitions_out}")
         token = self.token
@@ -353,6 +355,7 @@ class GPUHashJoin(HashJoinP2P):
             dsk[t.key] = t
             transfers.append(t.ref())
         meta = frame._meta.assign(**{PARTITION_COLUMN: 0})
+        links.configured_mode()  # a bad setting fails here, not on workers
         barrier = P2PBarrierTask(
             barrier_key(ShuffleId(token)),
             barrier_task,

@@ -57,6 +57,10 @@ class ShuffleCommError(ConnectionError):
     """Shards could not be sent to a peer; the message names it."""
 
 
+class ShuffleCodecError(RuntimeError):
+    """A compressed frame could not be decoded; the message names it and its sender."""
+
+
 class JobError(Exception):
     """The job cannot run as asked: the input, output, key or cluster is wrong.
 

@@ -34,7 +34,7 @@ from distributed.protocol import (
     to_serialize,
 )
 
-from gpushuffle import samehost
+from gpushuffle import codecs, samehost
 from gpushuffle.counters import Counters
 from gpushuffle.engine import copies
 from gpushuffle.engine.registry import backend_named
@@ -58,11 +58,35 @@ class Shard:
     table: Any
     nbytes: int
     chunk: int = 0
+    #: The sending worker's address (named in errors about what it sent).
+    sender: str = ""
     #: Sender: whether the large frames are lent to a receiver on this
     #: machine (:mod:`gpushuffle.samehost`) rather than sent.
     lend: bool = False
     #: Sender: frames lent so far, alive until the receiver has answered.
     lent: list[Any] | None = None
+    #: Sender: whether gpushuffle decides the compression of the frames
+    #: (``gpushuffle.comm.compression`` is not ``none``): distributed's
+    #: compression then leaves them as they are.
+    own_compression: bool = False
+    #: Sender: the frames already serialized and compressed, off the event
+    #: loop (:func:`encode`), for the comm's serializer to hand over.
+    encoded: Encoded | None = None
+
+
+@dataclass(slots=True)
+class Encoded:
+    """A shard's serialization with its frames compressed (:mod:`gpushuffle.codecs`)."""
+
+    device_frames: bool
+    header: dict[str, Any]
+    frames: list[Any]
+    codecs: list[Any] | None
+    raw_bytes: int
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(_frame_bytes(f) for f in self.frames)
 
 
 @dataclass
@@ -84,6 +108,16 @@ class WireStatistics(Counters):
     #: the receiver: not readable, or not proved to come from the sender).
     lends_refused: int = 0
     reads_refused: int = 0
+    #: Frames compressed for the wire, their bytes before and after, and
+    #: frames decompressed on receipt (:mod:`gpushuffle.codecs`).
+    compressed_frames: int = 0
+    compressed_raw_bytes: int = 0
+    compressed_bytes: int = 0
+    decompressed_frames: int = 0
+    #: Messages to other hosts encoded (serialized and compressed) off the
+    #: event loop, and those that left with no frame compressed.
+    messages_encoded: int = 0
+    messages_sent_raw: int = 0
     shards_sent: int = 0
     shards_serialized: int = 0
     shards_deserialized: int = 0
@@ -100,8 +134,9 @@ statistics = WireStatistics()
 
 
 class PeerTraffic:
-    """What this process sent to each peer: messages, bytes, and seconds from
-    each send's start to the peer's answer (retries included), cumulative.
+    """What this process sent to each peer: messages, bytes (shards' own and
+    on the wire, after compression), and seconds from each send's start to
+    the peer's answer (retries included), cumulative.
 
     A peer behind a slow link, or one slow to store what it receives, shows
     as a low rate; :func:`gpushuffle.peer_statistics` gathers every worker's.
@@ -111,19 +146,27 @@ class PeerTraffic:
         self._lock = threading.Lock()
         self._peers: dict[str, list[float]] = {}
 
-    def add(self, peer: str, nbytes: int, seconds: float, failed: bool = False) -> None:
+    def add(
+        self,
+        peer: str,
+        nbytes: int,
+        seconds: float,
+        failed: bool = False,
+        wire_bytes: int | None = None,
+    ) -> None:
         with self._lock:
-            row = self._peers.setdefault(peer, [0, 0, 0.0, 0])
+            row = self._peers.setdefault(peer, [0, 0, 0.0, 0, 0])
             row[0] += 1
             row[1] += nbytes
             row[2] += seconds
             row[3] += int(failed)
+            row[4] += nbytes if wire_bytes is None else wire_bytes
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         with self._lock:
             return {
-                peer: {"messages": m, "bytes": b, "seconds": s, "failed": f}
-                for peer, (m, b, s, f) in self._peers.items()
+                peer: {"messages": m, "bytes": b, "seconds": s, "failed": f, "wire_bytes": w}
+                for peer, (m, b, s, f, w) in self._peers.items()
             }
 
 
@@ -139,11 +182,40 @@ def wire_payload(shards: Sequence[Shard]) -> Serialize:
     return to_serialize(list(shards))
 
 
-def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
+def encode(shard: Shard, compress: codecs.Compress, device_frames: bool = False) -> Encoded:
+    """Serialize ``shard`` and compress its frames (in a thread, before its
+    send); the comm's serializer then hands the result over."""
     with copies.timed("serialize"):
         header, frames = backend_named(shard.backend).serialize(
             shard.table, device_frames=device_frames
         )
+    raw = sum(_frame_bytes(f) for f in frames)
+    with copies.timed("compress"):
+        frames, entries = codecs.encode_frames(frames, compress)
+    if entries is not None:
+        copies.count("compress", sum(e[1] for e in entries if e is not None))
+        statistics.add(
+            compressed_frames=sum(e is not None for e in entries),
+            compressed_raw_bytes=sum(e[1] for e in entries if e is not None),
+            compressed_bytes=sum(
+                _frame_bytes(f) for f, e in zip(frames, entries, strict=True) if e is not None
+            ),
+        )
+    statistics.add(messages_encoded=1)
+    shard.encoded = Encoded(device_frames, header, frames, entries, raw)
+    return shard.encoded
+
+
+def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
+    encoded = shard.encoded
+    entries = None
+    if encoded is not None and encoded.device_frames == device_frames:
+        header, frames, entries = encoded.header, encoded.frames, encoded.codecs
+    else:
+        with copies.timed("serialize"):
+            header, frames = backend_named(shard.backend).serialize(
+                shard.table, device_frames=device_frames
+            )
     lender = None
     if shard.lend and not device_frames and (me := samehost.identity()) is not None:
         lent, frames, kept = samehost.lend(frames, own=header.get(OWN_FRAMES, ()))
@@ -159,7 +231,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
         bytes_serialized=shard.nbytes,
         device_frames=sum(hasattr(f, "__cuda_array_interface__") for f in frames),
     )
-    return {
+    message = {
         "lender": lender,
         "backend": shard.backend,
         "input_partition": shard.input_partition,
@@ -167,8 +239,16 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
         "offsets": shard.offsets.tolist(),
         "nbytes": shard.nbytes,
         "chunk": shard.chunk,
+        "sender": shard.sender,
         "table": header,
-    }, frames
+    }
+    if entries is not None:
+        message[codecs.CODECS_KEY] = entries
+    if shard.own_compression and lender is None:
+        # gpushuffle chose per frame; distributed's compression (if a user
+        # turned it on for every message) would only spend time again.
+        message["compression"] = (False,) * len(frames)
+    return message, frames
 
 
 def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
@@ -181,11 +261,16 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
         table=None,
         nbytes=header["nbytes"],
         chunk=header["chunk"],
+        sender=header.get("sender", ""),
     )
     if header.get("lender") is not None:
         # Read later, by the receiving run (read_lent), which can answer a
         # refusal; distributed's comm could only fail the message.
         shard.table = LentTable(header["table"], header["lender"], list(frames))
+        return shard
+    if header.get(codecs.CODECS_KEY) is not None:
+        # Decompressed later, by the receiving run, off the event loop.
+        shard.table = EncodedTable(header["table"], header[codecs.CODECS_KEY], list(frames))
         return shard
     shard.table = _table(shard, header["table"], frames)
     return shard
@@ -195,6 +280,32 @@ def _table(shard: Shard, header: dict[str, Any], frames: Sequence[Any]) -> Any:
     statistics.add(shards_deserialized=1, bytes_deserialized=shard.nbytes)
     with copies.timed("deserialize"):
         return backend_named(shard.backend).deserialize(header, frames)
+
+
+@dataclass(slots=True)
+class EncodedTable:
+    """A received shard's table whose frames are still compressed."""
+
+    header: dict[str, Any]
+    codecs: list[Any]
+    frames: list[Any]
+
+
+def decode(shard: Shard) -> None:
+    """Decompress a received shard's frames and deserialize its table (in a
+    thread); raises :class:`~gpushuffle.errors.ShuffleCodecError`."""
+    encoded = shard.table
+    if not isinstance(encoded, EncodedTable):
+        return
+    describe = (
+        f"the shard of input partition {shard.input_partition} from {shard.sender or 'a peer'}"
+    )
+    with copies.timed("decompress"):
+        frames = codecs.decode_frames(encoded.codecs, encoded.frames, describe)
+    decompressed = [e[1] for e in encoded.codecs if e is not None]
+    copies.count("decompress", sum(decompressed))
+    statistics.add(decompressed_frames=len(decompressed))
+    shard.table = _table(shard, encoded.header, frames)
 
 
 @dataclass(slots=True)

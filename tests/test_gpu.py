@@ -166,6 +166,39 @@ def test_every_dtype_through_every_path(keep_index):
                 raise AssertionError(f"partition {p} via {how}: {e}") from e
 
 
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_device_frames_compressed_with_nvcomp_decode_to_the_same_rows(codec):
+    """nvCOMP on device frames (gpushuffle.device_codecs): never run before."""
+    import cupy
+
+    import gpushuffle
+    from gpushuffle import codecs
+    from gpushuffle.backends.cudf import CudfBackend
+    from gpushuffle.engine.links import LinkState, RunCompression
+
+    backend = CudfBackend()
+    gdf = with_partitions(gpu_frame(20_000))
+    meta = gdf.iloc[:0].drop(columns=["_partitions"])
+    compression = RunCompression(codec)
+    for p, piece in enumerate(split_pieces(backend, gdf)):
+        header, frames = backend.serialize(piece, device_frames=True)
+        sent, entries = codecs.encode_frames(frames, compression.compressor(LinkState(1e6, 1.0)))
+        assert entries is not None, "no device frame was compressed"
+        compressed = [f for f, e in zip(sent, entries, strict=True) if e is not None]
+        assert all(hasattr(f, "__cuda_array_interface__") for f in compressed)
+        table = backend.deserialize(header, codecs.decode_frames(entries, sent, f"piece {p}"))
+        assert_frames_equal(
+            backend.assemble([table], table.nrows, meta, True), expected_partition(gdf, p)
+        )
+    # A device frame changed on the way: nvCOMP's checksum refuses it.
+    position = next(i for i, e in enumerate(entries) if e is not None)
+    damaged = cupy.asarray(sent[position]).view(cupy.uint8).copy()
+    damaged[damaged.size // 2] ^= 0xFF
+    sent = [damaged if i == position else f for i, f in enumerate(sent)]
+    with pytest.raises(gpushuffle.ShuffleCodecError):
+        codecs.decode_frames(entries, sent, "a damaged piece")
+
+
 def test_pieces_in_input_order_with_a_multiindex_and_column_labels():
     import cudf
 
@@ -652,6 +685,25 @@ def test_shuffle_with_tiny_device_and_host_budgets(gpu_client):
         assert (stats["host_to_disk_bytes"] > 0).all(), stats
     finally:
         gpu_client.run(budgets, defaults)
+
+
+def test_shuffle_with_compression_matches_tasks(gpu_client):
+    """zstd on every frame between the workers: nvCOMP on device frames over
+    UCX, pyarrow on host frames over TCP (same-host reads off, so that TCP
+    carries the bytes)."""
+    settings = {"gpushuffle.comm.compression": "zstd", "gpushuffle.comm.same-host-reads": False}
+    defaults = {key: dask.config.get(key) for key in settings}
+    gpu_client.run(lambda: dask.config.set(settings))
+    try:
+        before = gpu_client.run(_wire)
+        with dask.config.set(settings):
+            check_against_tasks(gpu_client, gpu_frame(20_000, seed=6), "key", 5)
+        per_worker = wire_delta(gpu_client, before)
+        compressed = sum(d["wire_compressed_frames"] for d in per_worker.values())
+        decompressed = sum(d["wire_decompressed_frames"] for d in per_worker.values())
+        assert compressed > 0 and decompressed == compressed, per_worker
+    finally:
+        gpu_client.run(lambda: dask.config.set(defaults))
 
 
 def test_p2p_on_cudf_runs_on_gpushuffle(gpu_client):

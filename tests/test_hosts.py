@@ -47,7 +47,15 @@ def rig_client(request) -> Iterator[tuple[Rig, Client]]:
 
 def _wire(client: Client) -> pd.DataFrame:
     stats = gpushuffle.statistics(client)
-    return stats[["wire_bytes_sent", "wire_bytes_lent", "wire_bytes_read_from_peers"]]
+    return stats[
+        [
+            "wire_bytes_sent",
+            "wire_bytes_lent",
+            "wire_bytes_read_from_peers",
+            "wire_compressed_raw_bytes",
+            "wire_compressed_bytes",
+        ]
+    ]
 
 
 def _links(rig: Rig) -> list[tuple[int, int]]:
@@ -89,10 +97,13 @@ def test_shuffle_across_hosts_equals_tasks_and_counts_each_path(rig_client):
         assert (lent == 0).all()
     # Across, every host's shards for other hosts crossed its link: the link
     # carried them (shards count their tables' in-memory bytes, a little
-    # more than their frames), plus framing, task traffic and TCP's headers.
+    # more than their frames), compressed where gpushuffle.comm.compression
+    # chose to, plus framing, task traffic and TCP's headers.
+    saved = (wire["wire_compressed_raw_bytes"] - wire["wire_compressed_bytes"]).groupby(hosts).sum()
+    on_wire = across - saved
     for host, (sent, _received) in enumerate(links):
         assert across[host] > 0
-        assert 0.8 * across[host] <= sent <= 1.5 * across[host] + (4 << 20), (host, sent, across)
+        assert 0.8 * on_wire[host] <= sent <= 1.5 * on_wire[host] + (4 << 20), (host, sent, on_wire)
 
 
 def test_merge_across_hosts_equals_tasks(rig_client):
@@ -123,3 +134,26 @@ def test_groupby_split_out_across_hosts_equals_tasks(rig_client):
     _same(ours, tasks)
     whole = pd.concat([make_part(i, 20_000) for i in range(8)])
     assert sum(map(len, ours)) == whole["key"].nunique()
+
+
+def test_a_slow_link_carries_compressed_shards_and_the_same_rows():
+    """``gpushuffle.comm.compression: auto`` across a 50 Mbit/s link: the
+    link (its kernel counters) carries fewer bytes than the shards hold,
+    every compressed frame is decompressed by the other host, and every
+    output partition equals ``tasks``'."""
+    nin, rows, nout = 8, 100_000, 7
+    with Rig((1, 1), rate="50mbit", env=RIG_ENV) as rig, Client(rig.scheduler_address) as client:
+        before, links_before = gpushuffle.statistics(client), _links(rig)
+        shuffled = frame(nin, rows).shuffle("key", npartitions=nout, shuffle_method="gpushuffle")
+        shuffled = client.persist(shuffled)
+        wait(shuffled)
+        links = [s - s0 for (s, _), (s0, _) in zip(_links(rig), links_before, strict=True)]
+        assert_correct(partitions_of(shuffled), truth(nin, rows, nout))
+        stats = gpushuffle.statistics(client) - before
+    total = stats.sum()
+    assert total["wire_compressed_frames"] > 0, total
+    assert total["wire_decompressed_frames"] == total["wire_compressed_frames"], total
+    # Keys, row numbers, short strings and small integers compress; the
+    # random doubles do not (sent raw after their probe).
+    assert total["wire_compressed_bytes"] < 0.5 * total["wire_compressed_raw_bytes"], total
+    assert sum(links) < 0.75 * total["wire_bytes_sent"], (links, total["wire_bytes_sent"])

@@ -14,6 +14,9 @@ Stages, in a row's order through a shuffle:
     Bytes a backend copied to make frames: pickled in band, or packed into
     one contiguous buffer (cuDF).  Buffers handed to the comm as they are
     (pickle protocol 5 out of band) are not copies.
+``compress`` / ``decompress``
+    Bytes (before compression) of frames compressed for another host, and
+    decompressed on receipt (:mod:`gpushuffle.codecs`).
 ``send`` / ``receive``
     Frames written to and read from the comm: on TCP the kernel copies them
     into the socket and out of it into a fresh receive buffer.
@@ -44,8 +47,10 @@ from gpushuffle.counters import Counters
 STAGES = (
     "split",
     "serialize",
+    "compress",
     "send",
     "receive",
+    "decompress",
     "deserialize",
     "spill",
     "move",
@@ -59,8 +64,10 @@ class StageCounters(Counters):
 
     split: int = 0
     serialize: int = 0
+    compress: int = 0
     send: int = 0
     receive: int = 0
+    decompress: int = 0
     deserialize: int = 0
     spill: int = 0
     move: int = 0

@@ -41,7 +41,7 @@ from gpushuffle._distributed import (
     ShuffleSpec,
     pin_output_tasks,
 )
-from gpushuffle.engine import copies
+from gpushuffle.engine import copies, links
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import (
     FitBudget,
@@ -53,10 +53,18 @@ from gpushuffle.engine.outputs import (
 from gpushuffle.engine.pool import host_pool, malloc_trim
 from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.store import ShardStore
-from gpushuffle.errors import ShuffleCommError, ShuffleDiskFullError, ShuffleOutputTooLargeError
+from gpushuffle.errors import (
+    ShuffleCodecError,
+    ShuffleCommError,
+    ShuffleDiskFullError,
+    ShuffleOutputTooLargeError,
+)
 from gpushuffle.transport import (
+    EncodedTable,
     LentTable,
     Shard,
+    decode,
+    encode,
     peer_traffic,
     read_lent,
     statistics,
@@ -155,6 +163,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # device.
         self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
         self.same_host_reads = bool(config.get("comm.same-host-reads"))
+        self.compression = links.RunCompression(links.configured_mode())
         self._host = get_address_host(worker.address)
         self._lent_unanswered: list[list[Any]] = []
         self._reading = asyncio.Lock()
@@ -489,6 +498,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                         table=table,
                         nbytes=self.backend.nbytes(table),
                         chunk=chunk,
+                        sender=shard.sender,
                     )
                 if chunk == len(rounds):
                     rounds.append({})
@@ -529,6 +539,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 offsets=offsets[first : last + 1] - start,
                 table=view,
                 nbytes=backend.nbytes(view),
+                sender=self.local_address,
             )
         context_meter.digest_metric("p2p-shards", sum(s.nbytes for s in out.values()), "bytes")
         context_meter.digest_metric("p2p-shards", len(out), "count")
@@ -561,7 +572,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for shard in shards:
             shard.lend = lend
         answered = False
-        started, nbytes = time.perf_counter(), sum(s.nbytes for s in shards)
+        nbytes = sum(s.nbytes for s in shards)
+        link = links.link_to(get_address_host(address))
+        if not lend:
+            await self._encode(address, shards, link, nbytes)
+        wire = sum(s.encoded.wire_bytes if s.encoded else s.nbytes for s in shards)
+        link.started(wire)
+        started = time.perf_counter()
         try:
             response = await send_with_retries()
             if response.get("lend") == "refused":
@@ -598,7 +615,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 f"{type(e).__name__}: {e}"
             ) from e
         finally:
-            peer_traffic.add(address, nbytes, time.perf_counter() - started, failed=not answered)
+            link.finished(wire, delivered=answered)
+            peer_traffic.add(
+                address, nbytes, time.perf_counter() - started, failed=not answered, wire_bytes=wire
+            )
+            for shard in shards:
+                shard.encoded = None
             if not answered:
                 # A receiver may still read what an unanswered attempt lent:
                 # it stays alive until the run closes.
@@ -611,6 +633,41 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # distributed runs no transfer, so it never went below its pause
             # threshold again.
             shards.clear()
+
+    async def _encode(
+        self, address: str, shards: list[Shard], link: links.LinkMeter, nbytes: int
+    ) -> None:
+        """Compress the frames of a message to another host where it pays
+        (:mod:`gpushuffle.engine.links`), off the event loop."""
+        compression = self.compression
+        if not compression.enabled:
+            return
+        for shard in shards:
+            shard.own_compression = True
+        if compression.mode == "auto" and get_address_host(address) == self._host:
+            return  # a loopback socket (same-host reads off, or refused)
+        # Until a host's link has answered once, its rate is unknown: the
+        # first message there goes, later ones wait for its answer (the
+        # link is busy meanwhile) instead of guessing.
+        await link.first_answer(links.FIRST_ANSWER_S)
+        state = compression.state(link)
+        # What the encoder has queued, this message included, beyond what
+        # the link has queued: the time the link would wait for it.
+        encoding_s = (compression.encoding + nbytes) * compression.fastest_seconds_per_byte()
+        encoding_s -= link.in_flight / state.rate
+        if not compression.worth_encoding(state, nbytes, max(0.0, encoding_s)):
+            statistics.add(messages_sent_raw=1)
+            return
+        # UCX carries device frames (the cuda serializers), TCP host frames.
+        device = self.backend.tier == DEVICE and not address.startswith("tcp://")
+        if device and compression.mode == "auto" and not links.DEVICE_CODECS_IN_AUTO:
+            return
+        compress = compression.compressor(state)
+        compression.encoding += nbytes
+        try:
+            await self.offload(_encode_all, shards, compress, device)
+        finally:
+            compression.encoding -= nbytes
 
     async def _send(self, address: str, shards: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
         # The message carries a list of Shard objects, so that distributed
@@ -656,6 +713,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         )
 
     async def receive(self, data: list[Shard]) -> OKMessage | ErrorMessage:  # type: ignore[override]
+        if any(isinstance(shard.table, EncodedTable) for shard in data):
+            await self._decode(data)
         if not any(isinstance(shard.table, LentTable) for shard in data):
             return await super().receive(data)  # type: ignore[arg-type]
         # One lent message is read and stored at a time: the others wait
@@ -674,6 +733,20 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 # sender's send() turns this into "OK" once it sent the bytes.
                 return {"status": "OK", "lend": "refused", "reason": str(e)}  # type: ignore[return-value]
             return await super().receive(data)  # type: ignore[arg-type]
+
+    async def _decode(self, data: list[Shard]) -> None:
+        """Decompress received shards (a shard already stored, sent again, is not)."""
+        fresh = [s for s in data if (s.input_partition, s.chunk) not in self.received]
+        try:
+            await self.offload(_decode_all, fresh)
+        except ShuffleCodecError as e:
+            # The shuffle cannot be right without these rows: it fails here,
+            # and the sender's send raises the same error.
+            self._exception = e
+            raise
+        for shard in data:
+            if isinstance(shard.table, EncodedTable):
+                shard.table = None  # a duplicate: _store skips it
 
     async def _receive(self, data: list[Shard]) -> None:  # type: ignore[override]
         self.raise_if_closed()
@@ -835,6 +908,16 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def deserialize(self, buffer: Any) -> Any:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")
+
+
+def _encode_all(shards: list[Shard], compress: Any, device_frames: bool) -> None:
+    for shard in shards:
+        encode(shard, compress, device_frames)
+
+
+def _decode_all(shards: list[Shard]) -> None:
+    for shard in shards:
+        decode(shard)
 
 
 def _receive_buffer(nbytes: int) -> np.ndarray:

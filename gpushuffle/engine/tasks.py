@@ -26,6 +26,7 @@ from gpushuffle._distributed import (
     known_run,
 )
 from gpushuffle.errors import (
+    ShuffleCodecError,
     ShuffleCommError,
     ShuffleDiskFullError,
     ShuffleInputError,
@@ -53,6 +54,7 @@ def _phase_errors(id: ShuffleId, phase: str, what: str) -> Generator[None]:
         ShuffleMemoryError,
         ShuffleDiskFullError,
         ShuffleCommError,
+        ShuffleCodecError,
         ShuffleSchedulerError,
     ):
         raise
@@ -112,7 +114,13 @@ def barrier(id: ShuffleId, *run_ids: int) -> int:
         return _worker_plugin().barrier(id, run_ids)
     except (Reschedule, P2PConsistencyError, P2POutOfDiskError, ShuffleSchedulerError):
         raise
-    except (ShuffleCommError, ShuffleMemoryError, ShuffleDiskFullError, ShuffleInputError):
+    except (
+        ShuffleCommError,
+        ShuffleCodecError,
+        ShuffleMemoryError,
+        ShuffleDiskFullError,
+        ShuffleInputError,
+    ):
         raise
     except Exception as e:
         if (peer_error := _error_of_a_peer(e)) is not None:
@@ -126,6 +134,7 @@ _PEER_ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
         ShuffleCommError,
+        ShuffleCodecError,
         ShuffleMemoryError,
         ShuffleOutputTooLargeError,
         ShuffleInputError,

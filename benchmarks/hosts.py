@@ -62,7 +62,8 @@ def _rss() -> int:
 #: A variant is a method with settings: ``p2p+zstd`` turns distributed's
 #: compression of every message on (``distributed.comm.compression``, on a
 #: rig of its own: a comm takes it when it connects); ``gpushuffle/none``
-#: sets ``gpushuffle.comm.compression`` on the workers for its runs.
+#: sets ``gpushuffle.comm.compression`` on the workers for its runs, and
+#: ``gpushuffle/KEY=VALUE,...`` any ``gpushuffle.KEY``.
 DEFAULT_VARIANTS = ("gpushuffle", "p2p")
 
 
@@ -71,20 +72,27 @@ class Variant:
     name: str
     method: str
     distributed_codec: str | None
-    gpushuffle_compression: str | None
+    #: gpushuffle settings (keys under ``gpushuffle.``) for its runs.
+    settings: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        match = re.fullmatch(r"(gpushuffle|p2p|tasks)(?:\+(\w+))?(?:/(\w+))?", text.strip())
+        match = re.fullmatch(r"(gpushuffle|p2p|tasks)(?:\+(\w+))?(?:/([\w.=,-]+))?", text.strip())
         if not match:
             raise click.BadParameter(
                 f"{text!r}: write a variant as "
-                "METHOD[+DISTRIBUTED_CODEC][/GPUSHUFFLE_COMPRESSION], "
-                "e.g. p2p, p2p+zstd, gpushuffle/none"
+                "METHOD[+DISTRIBUTED_CODEC][/COMPRESSION or /KEY=VALUE,...], "
+                "e.g. p2p, p2p+zstd, gpushuffle/none, gpushuffle/comm.link-backlog=0"
             )
         if match[3] and match[1] != "gpushuffle":
-            raise click.BadParameter(f"{text!r}: /COMPRESSION is a gpushuffle setting")
-        return cls(text.strip(), match[1], match[2], match[3])
+            raise click.BadParameter(f"{text!r}: /... sets gpushuffle's configuration")
+        settings: list[tuple[str, str]] = []
+        for item in (match[3] or "").split(","):
+            if not item:
+                continue
+            key, sep, value = item.partition("=")
+            settings.append((key, value) if sep else ("comm.compression", key))
+        return cls(text.strip(), match[1], match[2], tuple(settings))
 
 
 def lineitem_frame(directory: str, rows: int, partitions: int) -> Any:
@@ -225,18 +233,18 @@ def link_runs(
 
 
 def _configure(client: Any, variant: Variant) -> None:
-    """Set (or unset) gpushuffle.comm.compression on the workers for ``variant``."""
+    """Set ``variant``'s gpushuffle settings on the workers (the defaults
+    for the others)."""
     if variant.method != "gpushuffle":
         return
-    value = variant.gpushuffle_compression
+    settings = {f"gpushuffle.{key}": value for key, value in variant.settings}
 
     def configure() -> None:
         import dask
 
-        if value is None:
-            dask.config.refresh()
-        else:
-            dask.config.set({"gpushuffle.comm.compression": value})
+        dask.config.refresh()
+        if settings:
+            dask.config.set(settings)
 
     client.run(configure)
 
@@ -374,8 +382,9 @@ def main() -> None:
     "--methods",
     default=",".join(DEFAULT_VARIANTS),
     show_default=True,
-    help="METHOD[+DISTRIBUTED_CODEC][/GPUSHUFFLE_COMPRESSION], comma-separated "
-    "(p2p+zstd: distributed's compression on; gpushuffle/none: gpushuffle's off)",
+    help="METHOD[+DISTRIBUTED_CODEC][/COMPRESSION or /KEY=VALUE,...], comma-separated "
+    "(p2p+zstd: distributed's compression on; gpushuffle/none: gpushuffle's off; "
+    "gpushuffle/comm.link-backlog=0: a gpushuffle setting)",
 )
 @click.option("--directory", default="/tmp", show_default=True, help="where lineitem is written")
 @click.option("--json", "path", default=None, help="write every run and the medians here")

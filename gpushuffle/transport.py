@@ -118,6 +118,10 @@ class WireStatistics(Counters):
     #: event loop, and those that left with no frame compressed.
     messages_encoded: int = 0
     messages_sent_raw: int = 0
+    #: Transfer tasks held until their worker's links caught up
+    #: (``gpushuffle.comm.link-backlog``), and for how long in all.
+    transfers_held: int = 0
+    transfers_held_ns: int = 0
     shards_sent: int = 0
     shards_serialized: int = 0
     shards_deserialized: int = 0

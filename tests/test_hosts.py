@@ -142,7 +142,13 @@ def test_a_slow_link_carries_compressed_shards_and_the_same_rows():
     every compressed frame is decompressed by the other host, and every
     output partition equals ``tasks``'."""
     nin, rows, nout = 8, 100_000, 7
-    with Rig((1, 1), rate="50mbit", env=RIG_ENV) as rig, Client(rig.scheduler_address) as client:
+    # A short back-pressure threshold: this link never holds a second of
+    # these (compressed) shards.
+    env = {**RIG_ENV, "DASK_GPUSHUFFLE__COMM__LINK_BACKLOG": "100ms"}
+    with Rig((1, 1), rate="50mbit", env=env) as rig, Client(rig.scheduler_address) as client:
+        # The link's rate is measured from its first sends: a first shuffle.
+        warm = frame(2, rows).shuffle("key", npartitions=3, shuffle_method="gpushuffle")
+        wait(client.persist(warm))
         before, links_before = gpushuffle.statistics(client), _links(rig)
         shuffled = frame(nin, rows).shuffle("key", npartitions=nout, shuffle_method="gpushuffle")
         shuffled = client.persist(shuffled)
@@ -157,3 +163,6 @@ def test_a_slow_link_carries_compressed_shards_and_the_same_rows():
     # random doubles do not (sent raw after their probe).
     assert total["wire_compressed_bytes"] < 0.5 * total["wire_compressed_raw_bytes"], total
     assert sum(links) < 0.75 * total["wire_bytes_sent"], (links, total["wire_bytes_sent"])
+    # Transfer tasks waited for the link (gpushuffle.comm.link-backlog)
+    # rather than queue all of it.
+    assert total["wire_transfers_held"] > 0 and total["wire_transfers_held_ns"] > 0, total

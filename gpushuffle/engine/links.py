@@ -99,13 +99,24 @@ class LinkMeter:
         self._answered: asyncio.Event | None = None
         #: Whether the current busy period carried a message large enough to time.
         self._timed = False
+        #: Wire and shard bytes of the latest sends (each send halves the past).
+        self._wire_total = 0.0
+        self._raw_total = 0.0
 
-    def started(self, nbytes: int) -> None:
+    def started(self, nbytes: int, raw: int | None = None) -> None:
+        """A send of ``nbytes`` on the wire (``raw`` before compression) began."""
         if not self._sends:
             self._since = self._clock()
             self._timed = False
         self._sends += 1
         self.in_flight += nbytes
+        self._wire_total = self._wire_total / 2 + nbytes
+        self._raw_total = self._raw_total / 2 + (nbytes if raw is None else raw)
+
+    def wire_ratio(self) -> float:
+        """Wire bytes per shard byte of the latest sends (1 before any; less
+        where they were compressed), for what still waits to be sent."""
+        return self._wire_total / self._raw_total if self._raw_total else 1.0
 
     def finished(self, nbytes: int, delivered: bool = True) -> None:
         self._sends -= 1

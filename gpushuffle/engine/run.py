@@ -89,6 +89,9 @@ _LINGER_MESSAGES = 4
 #: where the worker's RSS leaves room (GPUShuffleRun._host_budget).
 _SMALL_OUTPUT = 0.25
 
+#: How often a transfer task held back by a slow link looks again.
+_BACKLOG_POLL_S = 0.02
+
 #: How often a run checks whether distributed paused its worker for memory.
 _PAUSE_CHECK_MS = 100
 
@@ -164,7 +167,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
         self.same_host_reads = bool(config.get("comm.same-host-reads"))
         self.compression = links.RunCompression(links.configured_mode())
+        self.link_backlog_s = parse_timedelta(config.get("comm.link-backlog"), default="s") or 0
         self._host = get_address_host(worker.address)
+        self._remote_hosts = {
+            get_address_host(a) for a in worker_for.values() if get_address_host(a) != self._host
+        }
         self._lent_unanswered: list[list[Any]] = []
         self._reading = asyncio.Lock()
         self._lingering: dict[str, list[Shard]] = {}
@@ -267,7 +274,47 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 shards = self._shard_partition(data, partition_id)
             local = shards.pop(self.local_address, None)
             sync(self._loop, self._write, local, self._chunk(shards))
+        if self.link_backlog_s and self._remote_hosts:
+            sync(self._loop, self._hold_while_a_link_is_behind)
         return self.run_id
+
+    async def _hold_while_a_link_is_behind(self) -> None:
+        """Back-pressure per link: the transfer task returns once what this
+        worker has queued for every other host would take at most
+        ``comm.link-backlog`` to send at that link's measured rate.
+
+        Meanwhile the task holds its thread, so the scheduler gives the next
+        inputs to workers whose links keep up: where inputs are computed in
+        the transfer tasks, a host that took more of them would otherwise
+        send more across its link than the others and finish last.
+        """
+        if self._seconds_behind() <= self.link_backlog_s:
+            return
+        started = time.perf_counter_ns()
+        try:
+            while self._seconds_behind() > self.link_backlog_s:
+                self.raise_if_closed()
+                self._comm_buffer.raise_on_exception()
+                await asyncio.sleep(_BACKLOG_POLL_S)
+        finally:
+            statistics.add(transfers_held=1, transfers_held_ns=time.perf_counter_ns() - started)
+
+    def _seconds_behind(self) -> float:
+        """The longest time, over other hosts, to send what this worker has
+        queued for it: in flight, waiting in the comm buffer or held back."""
+        queued: dict[str, float] = {}
+        for waiting in (self._comm_buffer.sizes, self._lingering_bytes):
+            for address, nbytes in list(waiting.items()):
+                host = get_address_host(address)
+                queued[host] = queued.get(host, 0) + nbytes
+        worst = 0.0
+        for host in self._remote_hosts:
+            link = links.link_to(host)
+            rate = link.rate()
+            if rate:
+                wire = link.in_flight + queued.get(host, 0) * link.wire_ratio()
+                worst = max(worst, wire / rate)
+        return worst
 
     async def _write(self, local: Shard | None, remote: list[dict[str, Shard]]) -> None:
         if self._inputs_done_started:
@@ -577,7 +624,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if not lend:
             await self._encode(address, shards, link, nbytes)
         wire = sum(s.encoded.wire_bytes if s.encoded else s.nbytes for s in shards)
-        link.started(wire)
+        link.started(wire, raw=nbytes)
         started = time.perf_counter()
         try:
             response = await send_with_retries()

@@ -296,3 +296,26 @@ def test_a_bad_setting_fails_the_shuffle_naming_it(client):
             df.shuffle("key", npartitions=3, shuffle_method="gpushuffle").compute()
     finally:
         client.run(lambda: dask.config.set({"gpushuffle.comm.compression": "auto"}))
+
+
+def test_a_link_meter_outlives_event_loops():
+    """The meters are the process's: the first message on a new loop goes at
+    once; the next waits for an answer, then the rate is known."""
+    import asyncio
+
+    meter = LinkMeter()
+
+    async def one_loop() -> float:
+        loop = asyncio.get_running_loop()
+        await meter.first_answer(5.0)  # the first: at once
+        meter.started(1 << 20)
+        loop.call_later(0.05, meter.finished, 1 << 20)
+        start = loop.time()
+        await meter.first_answer(5.0)  # waits for the answer
+        return loop.time() - start
+
+    assert 0.03 < asyncio.run(one_loop()) < 2.0
+    assert meter.rate() is not None
+    meter = LinkMeter()
+    asyncio.run(meter.first_answer(5.0))  # a loop closed since: no error on the next
+    assert 0.03 < asyncio.run(one_loop()) < 2.0

@@ -97,6 +97,7 @@ class LinkMeter:
         self._busy = 0.0
         self._bytes = 0.0
         self._answered: asyncio.Event | None = None
+        self._answered_loop: asyncio.AbstractEventLoop | None = None
         #: Whether the current busy period carried a message large enough to time.
         self._timed = False
         #: Wire and shard bytes of the latest sends (each send halves the past).
@@ -122,7 +123,7 @@ class LinkMeter:
         self._sends -= 1
         self.in_flight -= nbytes
         if delivered:
-            if self._answered is not None:
+            if self._answered is not None and self._answered_loop is _running_loop():
                 self._answered.set()
             if nbytes >= RATE_MIN_BYTES:
                 self._bytes += nbytes
@@ -151,11 +152,20 @@ class LinkMeter:
         ``timeout``)."""
         if self.rate() is not None:
             return
-        if self._answered is None:
-            self._answered = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._answered is None or self._answered_loop is not loop:
+            # (The meter outlives event loops: in-process clusters, one after another.)
+            self._answered, self._answered_loop = asyncio.Event(), loop
             return  # the first message: it goes, and measures
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._answered.wait(), timeout)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class CpuMeter:

@@ -693,6 +693,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             shard.own_compression = True
         if compression.mode == "auto" and get_address_host(address) == self._host:
             return  # a loopback socket (same-host reads off, or refused)
+        # UCX carries device frames (the cuda serializers), TCP host frames.
+        device = self.backend.tier == DEVICE and not address.startswith("tcp://")
+        if device and compression.mode == "auto" and not links.DEVICE_CODECS_IN_AUTO:
+            return
         # Until a host's link has answered once, its rate is unknown: the
         # first message there goes, later ones wait for its answer (the
         # link is busy meanwhile) instead of guessing.
@@ -704,10 +708,6 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         encoding_s -= link.in_flight / state.rate
         if not compression.worth_encoding(state, nbytes, max(0.0, encoding_s)):
             statistics.add(messages_sent_raw=1)
-            return
-        # UCX carries device frames (the cuda serializers), TCP host frames.
-        device = self.backend.tier == DEVICE and not address.startswith("tcp://")
-        if device and compression.mode == "auto" and not links.DEVICE_CODECS_IN_AUTO:
             return
         compress = compression.compressor(state)
         compression.encoding += nbytes

@@ -319,3 +319,23 @@ def test_a_link_meter_outlives_event_loops():
     meter = LinkMeter()
     asyncio.run(meter.first_answer(5.0))  # a loop closed since: no error on the next
     assert 0.03 < asyncio.run(one_loop()) < 2.0
+
+
+def test_seconds_behind_counts_what_is_in_flight_and_what_waits(monkeypatch):
+    """The back-pressure's measure (gpushuffle.comm.link-backlog): per host,
+    wire bytes in flight plus shard bytes waiting, scaled by the link's
+    recent wire bytes per byte, over its rate; the slowest host counts."""
+    now = [0.0]
+    meters = {"10.0.0.2": LinkMeter(clock=lambda: now[0]), "10.0.0.3": LinkMeter()}
+    monkeypatch.setattr(links, "_links", meters)
+    slow = meters["10.0.0.2"]
+    slow.started(1_000_000, raw=2_000_000)  # compressed 2:1
+    now[0] = 1.0
+    slow.finished(1_000_000)  # 1 MB/s
+    slow.started(500_000, raw=1_000_000)  # in flight
+    waiting = [("tcp://10.0.0.2:1234", 1_000_000), ("tcp://10.0.0.3:99", 5_000_000)]
+    # 0.5 MB in flight + 1 MB waiting at 0.5 wire bytes per byte, at 1 MB/s;
+    # 10.0.0.3 has no rate yet and holds nothing back.
+    behind = links.seconds_behind(["10.0.0.2", "10.0.0.3"], waiting)
+    assert behind == pytest.approx(1.0, rel=0.05)
+    assert links.seconds_behind(["10.0.0.3"], waiting) == 0.0

@@ -28,9 +28,11 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from distributed.comm import get_address_host
 
 from gpushuffle.codecs import HOST_CODECS, Codec, codec_for, frame_nbytes, is_device_frame
 
@@ -214,6 +216,25 @@ def link_to(host: str) -> LinkMeter:
     if meter is None:
         meter = _links[host] = LinkMeter()
     return meter
+
+
+def seconds_behind(hosts: Iterable[str], waiting: Iterable[tuple[str, int]]) -> float:
+    """The longest time, over ``hosts``, to send what is in flight there and
+    what ``waiting`` holds for it (``(worker address, shard bytes)`` not yet
+    sent, scaled by the link's recent wire bytes per byte), at each link's
+    measured rate (links with none yet count 0)."""
+    queued: dict[str, float] = {}
+    for address, nbytes in waiting:
+        host = get_address_host(address)
+        queued[host] = queued.get(host, 0) + nbytes
+    worst = 0.0
+    for host in hosts:
+        link = link_to(host)
+        rate = link.rate()
+        if rate:
+            wire = link.in_flight + queued.get(host, 0) * link.wire_ratio()
+            worst = max(worst, wire / rate)
+    return worst
 
 
 @dataclass

@@ -302,19 +302,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     def _seconds_behind(self) -> float:
         """The longest time, over other hosts, to send what this worker has
         queued for it: in flight, waiting in the comm buffer or held back."""
-        queued: dict[str, float] = {}
-        for waiting in (self._comm_buffer.sizes, self._lingering_bytes):
-            for address, nbytes in list(waiting.items()):
-                host = get_address_host(address)
-                queued[host] = queued.get(host, 0) + nbytes
-        worst = 0.0
-        for host in self._remote_hosts:
-            link = links.link_to(host)
-            rate = link.rate()
-            if rate:
-                wire = link.in_flight + queued.get(host, 0) * link.wire_ratio()
-                worst = max(worst, wire / rate)
-        return worst
+        waiting = [*self._comm_buffer.sizes.items(), *self._lingering_bytes.items()]
+        return links.seconds_behind(self._remote_hosts, waiting)
 
     async def _write(self, local: Shard | None, remote: list[dict[str, Shard]]) -> None:
         if self._inputs_done_started:

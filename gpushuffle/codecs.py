@@ -16,6 +16,7 @@ damaged input into plausible bytes without complaint, so the check is ours.
 
 from __future__ import annotations
 
+import numbers
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -40,7 +41,6 @@ class Codec(Protocol):
     """One compression algorithm for one kind of frame (host or device)."""
 
     name: str
-    device: bool
 
     def compress(self, frame: Any) -> Any:
         """``frame`` compressed (a buffer of the same kind: host or device)."""
@@ -55,8 +55,6 @@ class Codec(Protocol):
 
 class HostCodec:
     """A pyarrow codec on host buffers (thread-safe: one call per frame)."""
-
-    device = False
 
     def __init__(self, name: str, arrow_name: str, level: int | None = None) -> None:
         self.name = name
@@ -110,8 +108,8 @@ def frame_nbytes(frame: Any) -> int:
     """A frame's size in bytes: host buffers, and device buffers that say."""
     for attribute in ("nbytes", "size"):
         value = getattr(frame, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
     return memoryview(frame).nbytes
 
 

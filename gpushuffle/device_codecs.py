@@ -38,8 +38,6 @@ class DeviceCodec:
     """One nvCOMP algorithm, with a ``nvcomp.Codec`` per thread (nvCOMP's
     codecs hold scratch state and must not be shared between threads)."""
 
-    device = True
-
     def __init__(self, name: str) -> None:
         self.name = name
         self._algorithm = ALGORITHMS[name]

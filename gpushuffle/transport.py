@@ -17,7 +17,6 @@ such a mistake fails loudly.
 
 from __future__ import annotations
 
-import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,7 +81,6 @@ class Encoded:
     header: dict[str, Any]
     frames: list[Any]
     codecs: list[Any] | None
-    raw_bytes: int
 
     @property
     def wire_bytes(self) -> int:
@@ -189,11 +187,7 @@ def wire_payload(shards: Sequence[Shard]) -> Serialize:
 def encode(shard: Shard, compress: codecs.Compress, device_frames: bool = False) -> Encoded:
     """Serialize ``shard`` and compress its frames (in a thread, before its
     send); the comm's serializer then hands the result over."""
-    with copies.timed("serialize"):
-        header, frames = backend_named(shard.backend).serialize(
-            shard.table, device_frames=device_frames
-        )
-    raw = sum(_frame_bytes(f) for f in frames)
+    header, frames = _backend_serialize(shard, device_frames)
     with copies.timed("compress"):
         frames, entries = codecs.encode_frames(frames, compress)
     if entries is not None:
@@ -206,8 +200,13 @@ def encode(shard: Shard, compress: codecs.Compress, device_frames: bool = False)
             ),
         )
     statistics.add(messages_encoded=1)
-    shard.encoded = Encoded(device_frames, header, frames, entries, raw)
+    shard.encoded = Encoded(device_frames, header, frames, entries)
     return shard.encoded
+
+
+def _backend_serialize(shard: Shard, device_frames: bool) -> tuple[dict[str, Any], list[Any]]:
+    with copies.timed("serialize"):
+        return backend_named(shard.backend).serialize(shard.table, device_frames=device_frames)
 
 
 def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any], list[Any]]:
@@ -216,10 +215,7 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
     if encoded is not None and encoded.device_frames == device_frames:
         header, frames, entries = encoded.header, encoded.frames, encoded.codecs
     else:
-        with copies.timed("serialize"):
-            header, frames = backend_named(shard.backend).serialize(
-                shard.table, device_frames=device_frames
-            )
+        header, frames = _backend_serialize(shard, device_frames)
     lender = None
     if shard.lend and not device_frames and (me := samehost.identity()) is not None:
         lent, frames, kept = samehost.lend(frames, own=header.get(OWN_FRAMES, ()))
@@ -339,12 +335,8 @@ def read_lent(shard: Shard, allocate: Callable[[int], np.ndarray] | None = None)
 def _frame_bytes(frame: Any) -> int:
     """A frame's size: host buffers, numpy and cupy arrays, rmm.DeviceBuffer."""
     # Only statistics: whatever a frame is, counting it must not fail a send.
-    for attribute in ("nbytes", "size"):
-        value = getattr(frame, attribute, None)
-        if isinstance(value, numbers.Integral):
-            return int(value)
     try:
-        return memoryview(frame).nbytes
+        return codecs.frame_nbytes(frame)
     except Exception:  # pragma: no cover - an unknown frame type: not counted
         return 0
 

@@ -20,7 +20,8 @@ import pandas as pd
 import pytest
 from conftest import assert_nothing_left_behind
 from device_stand_in import DeviceStandInBackend, StandInTable, stand_in_device
-from distributed import Client, LocalCluster
+from distributed import Client
+from test_memory import cluster_with
 from test_pandas_backend import _ALL_KINDS, column
 from test_shuffle import check, make_frame
 from test_transport import _wire, wire_delta
@@ -192,21 +193,6 @@ def test_link_meter_counts_overlapping_sends_once():
     assert meter.rate() == pytest.approx(3_000_000)  # 9 MB in 3 s
 
 
-@contextlib.contextmanager
-def _cluster(settings: dict):
-    with (
-        dask.config.set(settings),
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            dashboard_address=":0",
-            worker_dashboard_address=":0",
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        yield client
-
-
 def _shuffle_and_check(client: Client, pdf: pd.DataFrame) -> dict[str, dict[str, int]]:
     before = client.run(_wire)
     df = dd.from_pandas(pdf, npartitions=6, sort=False)
@@ -225,7 +211,7 @@ def test_shuffles_with_compression_equal_tasks(device):
     # name compresses them (auto would not, between workers on one host).
     settings = {"gpushuffle.comm.same-host-reads": False, "gpushuffle.comm.compression": "zstd"}
     with contextlib.ExitStack() as stack:
-        client = stack.enter_context(_cluster(settings))
+        client = stack.enter_context(cluster_with(settings))
         stack.enter_context(stand_in_device(client) if device else contextlib.nullcontext())
         total = _shuffle_and_check(client, make_frame(60_000, seed=3))
     assert total["wire_compressed_frames"] > 0, total
@@ -235,7 +221,7 @@ def test_shuffles_with_compression_equal_tasks(device):
 
 
 def test_auto_leaves_workers_on_one_host_uncompressed():
-    with _cluster({"gpushuffle.comm.same-host-reads": False}) as client:
+    with cluster_with({"gpushuffle.comm.same-host-reads": False}) as client:
         total = _shuffle_and_check(client, make_frame(60_000, seed=4))
     assert total["wire_shards_sent"] > 0 and total["wire_compressed_frames"] == 0, total
 
@@ -264,7 +250,7 @@ def _repair(dask_worker=None) -> None:
 
 
 def test_a_frame_damaged_on_a_live_cluster_fails_the_shuffle_clearly():
-    with _cluster(
+    with cluster_with(
         {"gpushuffle.comm.same-host-reads": False, "gpushuffle.comm.compression": "lz4"}
     ) as client:
         first = sorted(client.scheduler_info()["workers"])[0]

@@ -399,8 +399,6 @@ class RunCompression:
 
         def compress(slot_key: tuple[int, int], frame: Any) -> tuple[Codec, Any] | None:
             device = is_device_frame(frame)
-            if device and self.mode == "auto" and not DEVICE_CODECS_IN_AUTO:
-                return None
             with self._lock:
                 slot = self._slots.setdefault(slot_key, Slot())
                 unprobed = [n for n in names if n not in slot.codecs]
@@ -484,17 +482,3 @@ class RunCompression:
         """The run's frame slots so far (a copy of the mapping)."""
         with self._lock:
             return dict(self._slots)
-
-    def summary(self) -> dict[str, Any]:
-        """Per codec, its ratio and seconds per byte over the run's compressible
-        slots, and how many slots were found raw: for logs and tests."""
-        totals = self._totals()
-        with self._lock:
-            raw = sum(slot.raw for slot in self._slots.values())
-        return {
-            "raw_slots": raw,
-            **{
-                name: {"ratio": t.ratio(), "seconds_per_byte": t.seconds_per_byte()}
-                for name, t in totals.items()
-            },
-        }

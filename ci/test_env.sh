@@ -38,7 +38,8 @@ if sys.argv[1] == "cpu":
     if Version(dask.__version__) <= rapids_pin or Version(distributed.__version__) <= rapids_pin:
         sys.exit("the cpu environment resolved to RAPIDS' dask pin, not the newest dask")
 PY
-# The scale tests (gigabytes through small workers) and the rig of hosts
-# (tests/test_hosts.py) run once, in the main suite.
+# The scale tests (gigabytes through small workers), the rig of hosts
+# (tests/test_hosts.py) and the notebooks (also executed by the docs build)
+# run once, in the main suite.
 bash ci/pytest_crash_report.sh "$venv/bin/python" -m pytest -p no:cacheprovider \
-    -m "not scale and not hosts" "$@"
+    -m "not scale and not hosts and not notebook" "$@"

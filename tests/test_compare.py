@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -21,14 +22,16 @@ def _frame(n: int = 60_000) -> dd.DataFrame:
 
 def test_checksums_ignore_row_order_and_see_one_changed_value():
     pdf = pd.DataFrame({"k": [1, 2, 3, 4], "v": [0.5, 1.5, 2.5, 3.5]})
-    same = partition_checksums(dd.from_pandas(pdf, npartitions=1))
-    shuffled = partition_checksums(
-        dd.from_pandas(pdf.iloc[[2, 0, 3, 1]], npartitions=1, sort=False)
-    )
     changed = pdf.copy()
     changed.loc[3, "v"] = 3.25
+    with dask.config.set(scheduler="sync"):  # no cluster needed
+        same = partition_checksums(dd.from_pandas(pdf, npartitions=1))
+        shuffled = partition_checksums(
+            dd.from_pandas(pdf.iloc[[2, 0, 3, 1]], npartitions=1, sort=False)
+        )
+        other = partition_checksums(dd.from_pandas(changed, npartitions=1))
     assert same.equals(shuffled)
-    assert not same.equals(partition_checksums(dd.from_pandas(changed, npartitions=1)))
+    assert not same.equals(other)
     assert same["rows"].tolist() == [4]
 
 

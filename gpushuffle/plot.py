@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 from gpushuffle.bench import Result, summarize
 
@@ -47,8 +47,11 @@ def title(context: dict[str, Any]) -> str:
     )
 
 
-def plot_benchmark(results: Sequence[Result], context: dict[str, Any], path: str) -> None:
-    """Draw ``results`` (from :func:`gpushuffle.bench.run_benchmark`) into ``path``."""
+def plot_benchmark(
+    results: Sequence[Result], context: dict[str, Any], path: str | IO[bytes]
+) -> None:
+    """Draw ``results`` (from :func:`gpushuffle.bench.run_benchmark`) into ``path``
+    (a PNG file, or a binary file object)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 

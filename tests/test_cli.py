@@ -845,6 +845,17 @@ def test_plot_from_results(tmp_path):
 
     assert _barrier_time(results[0], "tcp://w0") == pytest.approx(2.0)
 
+    # In Jupyter: the medians as a table, and the same picture inline.
+    from gpushuffle.bench import BenchmarkReport
+
+    report = BenchmarkReport(tuple(results), context)
+    table = report.table()
+    assert table.loc["gpushuffle", "wall_s"] == 1.5 and table.loc["p2p", "x_gpushuffle"] == 2.67
+    assert table.loc["gpushuffle", "peak_rss_GiB"] == 3.0
+    html = report._repr_html_()
+    assert "<table" in html and "data:image/png;base64,iVBORw0KGgo" in html
+    assert "gpushuffle" in repr(report) and "p2p" in repr(report)
+
 
 def test_bench_mixed_dtypes(tmp_path):
     from gpushuffle.bench import MIXED_KINDS, make_partition

@@ -72,6 +72,12 @@ class DeviceStandInBackend(PandasBackend):
         # As the cuDF backend (TableBackend's default): every byte counted twice.
         return self.nbytes(table)
 
+    # ... and no piece keeps bytes as it is added (TableBackend's default).
+    keep_rows = 0
+
+    def kept_nbytes(self, table: StandInTable) -> int:
+        return 0
+
     def slice(self, table: StandInTable, start: int, stop: int) -> StandInTable:
         assert table.table is not None, "slice takes device tables (as pylibcudf)"
         view = super().slice(table.table, start, stop)

@@ -257,6 +257,60 @@ def test_auto_host_budget_is_half_of_what_the_worker_has_free_at_most_256_mib(mo
     assert memory.host.limit == 1
 
 
+def test_auto_host_budget_divides_the_machine_among_the_workers_on_it(monkeypatch):
+    from gpushuffle import config
+    from gpushuffle.engine.budget import workers_on_host
+    from gpushuffle.engine.memory import TierUsage, WorkerMemory, auto_host_limit
+
+    monkeypatch.setattr(config, "worker_memory_limit", lambda: 100 << 30)
+    # 512 MiB a machine, at most 256 MiB a worker: 2 workers as before.
+    assert [auto_host_limit(sharers=n) for n in (1, 2, 4, 8)] == [
+        256 << 20,
+        256 << 20,
+        128 << 20,
+        64 << 20,
+    ]
+    assert auto_host_limit(disk_enabled=False, sharers=8) > 10 << 30  # nowhere else to go
+    workers = ["tcp://10.0.0.1:1", "tcp://10.0.0.1:2", "tcp://10.0.0.2:1", "ucx://10.0.0.1:3"]
+    assert workers_on_host("tcp://10.0.0.1:1", workers) == 3
+    assert workers_on_host("tcp://10.0.0.2:1", workers) == 1
+    assert workers_on_host("tcp://10.0.0.3:1", workers) == 1  # itself, not in the list
+    memory = WorkerMemory(
+        device=TierUsage(None), host=TierUsage(1), disk=TierUsage(None), disk_enabled=True
+    )
+    memory.auto_host = True
+    memory.start_run(host_sharers=4)
+    assert memory.host.limit == 128 << 20
+    # Another run holds memory: a run with more workers on the machine still
+    # brings the limit down (the machine's total holds), one with fewer not up.
+    memory.charge("host", 10)
+    memory.start_run(host_sharers=8)
+    assert memory.host.limit == 64 << 20
+    memory.start_run(host_sharers=2)
+    assert memory.host.limit == 64 << 20
+
+
+def _pool_limit() -> int:
+    from gpushuffle.engine.pool import host_pool
+
+    return host_pool().limit
+
+
+def test_four_workers_on_one_machine_share_its_host_budget():
+    """Each of 4 workers gets a quarter of the machine's auto budget, its pool
+    at most twice that, and the shuffle is right."""
+    pdf = big_frame(200_000)
+    with cluster_with({}, n_workers=4) as client:
+        ddf = dd.from_pandas(pdf, npartitions=8)
+        out = gpushuffle.shuffle(ddf, on="key", npartitions=8).compute()
+        stats = gpushuffle.statistics(client)
+        pools = client.run(_pool_limit)
+    assert len(out) == len(pdf)
+    assert checksum(out) == checksum(pdf)
+    assert (stats["host_limit"] == 128 << 20).all(), stats["host_limit"].tolist()
+    assert all(limit <= 256 << 20 for limit in pools.values()), pools
+
+
 def test_budget_smaller_than_data_spills_and_stays_correct():
     pdf = big_frame()  # 12.8 MB, about 6.4 MB received per worker
     with cluster_with({"gpushuffle.memory.host-limit": "1 MiB"}) as client:
@@ -791,7 +845,7 @@ def test_workers_sharing_a_gpu_count_only_the_gpus_this_process_may_use(
     would each budget as if they had it alone (docs/gpu-calls.md, S3)."""
     from distributed.diagnostics import nvml
 
-    from gpushuffle.engine.run import _workers_sharing_the_gpu
+    from gpushuffle.engine.budget import workers_sharing_the_gpu
 
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -799,4 +853,4 @@ def test_workers_sharing_a_gpu_count_only_the_gpus_this_process_may_use(
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(nvml, "device_get_count", lambda: nvml_count)
     workers = ["tcp://10.0.0.1:1000", "tcp://10.0.0.1:1001", "tcp://10.0.0.2:1000"]
-    assert _workers_sharing_the_gpu("tcp://10.0.0.1:1000", workers) == expected
+    assert workers_sharing_the_gpu("tcp://10.0.0.1:1000", workers) == expected

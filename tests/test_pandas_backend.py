@@ -828,7 +828,9 @@ def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output(
         assert copied < out.memory_usage(index=False).sum() - chunks[0].nbytes // 2
 
     # The same frames as views into one buffer (a file read back, a shared
-    # message buffer): nothing of it is standalone, every string is copied.
+    # message buffer): nothing of it is standalone, every string is copied,
+    # once: a large chunk as the piece is added (while a spill file's pages
+    # are there), kept as a chunk of the output; small ones joined at the end.
     header, frames = backend.serialize(sent)
     block = np.concatenate([np.frombuffer(f, np.uint8) for f in frames[1:]])
     views, start = [], 0
@@ -839,11 +841,27 @@ def test_string_rows_received_in_buffers_of_their_own_stay_chunks_of_the_output(
     shared = backend.deserialize(header, [frames[0], *views])
     assert not shared.standalone
     piece = backend.slice(shared, int(offsets[0]), int(offsets[1]))
+    before = copies.statistics.unpack
     out = backend.assemble([piece, small_table], big + 300, meta, keep_index=False)
-    assert out["s"].array._pa_array.num_chunks == 1
-    chunk = out["s"].array._pa_array.chunk(0)
+    copied = copies.statistics.unpack - before
+    chunks = out["s"].array._pa_array.chunks
+    assert [len(c) for c in chunks] == [big, 300]
     block_start = block.ctypes.data
-    assert not block_start <= chunk.buffers()[2].address < block_start + block.nbytes
+    for chunk in chunks:
+        assert all(
+            not block_start <= b.address < block_start + block.nbytes
+            for b in chunk.buffers()
+            if b is not None
+        )
+    # Each byte of the output copied once (the small piece's strings twice:
+    # its own chunk, joined at the end, is at most a few KiB).
+    assert copied <= out.memory_usage(index=False).sum() + chunks[1].nbytes
+    pd.testing.assert_frame_equal(
+        out,
+        pd.concat([frame[frame["_partitions"] == 0], small], ignore_index=True).drop(
+            columns="_partitions"
+        ),
+    )
 
 
 def _split_keeping_the_upper_half(df, nparts):

@@ -9,6 +9,7 @@ import tracemalloc
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 from numpy_device_backend import (
     DeviceMemory,
@@ -505,3 +506,61 @@ def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
     assert memory.moves[("host", "disk")].bytes > 256 << 10
     assert memory.host.bytes <= 256 << 10
     _assert_reads_back(store, backend, memory, expected)
+
+
+def _string_shard(backend, input_partition: int, sizes: list[int]) -> Shard:
+    """A pandas shard of Arrow strings (about 100 bytes a row) with ``sizes``
+    rows for output partitions 0, 1, ..."""
+    rows = sum(sizes)
+    rng = np.random.default_rng(input_partition)
+    frame = pd.DataFrame(
+        {
+            "s": pd.array(
+                [f"{input_partition:04d}-{i:08d}-" + "x" * 84 for i in range(rows)],
+                dtype=pd.ArrowDtype(pa.string()),
+            ),
+            "v": rng.random(rows),
+            "_partitions": np.repeat(np.arange(len(sizes), dtype=np.int16), sizes),
+        }
+    )
+    table, offsets = backend.split(
+        frame, "_partitions", np.arange(len(sizes), dtype=np.int16), len(sizes), False
+    )
+    return Shard(
+        "pandas", input_partition, np.arange(len(sizes)), offsets, table, backend.nbytes(table)
+    )
+
+
+def test_strings_read_back_from_disk_are_held_once_and_counted_per_piece(tmp_path):
+    """An output's large string pieces read back from its spill file are
+    copied as they are added (while their pages are there) and kept as the
+    output's chunks: the assembly holds them once, plus about a piece.  The
+    fit rule counts as joined at the end only pieces under keep_rows rows."""
+    backend = PandasBackend()
+    big, small = backend.keep_rows + 1000, 500
+    memory = make_memory(host=0)  # everything goes to disk
+    store = store_for(backend, memory, tmp_path)
+
+    async def fill():
+        for i in range(4):  # output 0 gets large pieces, output 1 small ones
+            await store.put(_string_shard(backend, i, [big, small]))
+
+    asyncio.run(fill())
+    assert memory.disk.bytes > 0 and memory.host.bytes == 0
+    sizes = store.partition_sizes()
+    assert sizes[0].concat_bytes == 0  # large pieces: kept, not joined at the end
+    string_bytes_small = sizes[1].nbytes - small * 4 * 8  # all but the float column
+    assert sizes[1].concat_bytes == pytest.approx(string_bytes_small, rel=0.05)
+
+    meta = pd.DataFrame({"s": pd.array([], dtype=pd.ArrowDtype(pa.string())), "v": []})
+    nrows, tables = store.read(0)
+    before = pa.total_allocated_bytes()
+    out = backend.assemble(tables, nrows, meta, keep_index=False)
+    grown = pa.total_allocated_bytes() - before
+    chunks = out["s"].array._pa_array.chunks
+    assert [len(c) for c in chunks] == [big] * 4  # each piece kept as its chunk
+    # One copy of the strings in Arrow's memory: no second, combined copy.
+    assert grown <= 1.1 * out["s"].array.nbytes
+    expected = [f"{i:04d}-{j:08d}-" + "x" * 84 for i in range(4) for j in range(big)]
+    assert out["s"].tolist() == expected
+    store.close()

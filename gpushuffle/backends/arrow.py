@@ -259,6 +259,11 @@ def made_of(chunk: pa.Array, addresses: frozenset[int]) -> bool:
     return all(b.address in addresses for b in (validity, offsets, data) if b is not None)
 
 
+def is_strings(values: Any) -> bool:
+    """Whether ``values`` is Arrow-backed strings or binary (offsets and data)."""
+    return is_arrow(values) and values._pa_array.type in _OFFSET_TYPES
+
+
 def is_arrow(values: Any) -> bool:
     """Whether ``values`` is a pandas array backed by a pyarrow ChunkedArray."""
     return isinstance(values, ArrowExtensionArray) and isinstance(

@@ -57,6 +57,7 @@ from gpushuffle.backends.dtypes import (
     output_dtype,
 )
 from gpushuffle.backends.pandas_columns import (
+    _KEEP_CHUNK_ROWS,
     _as_index,
     _carve,
     _concat_index,
@@ -351,6 +352,17 @@ def _address(frame: Any) -> int:
     return int(pa.py_buffer(frame).address)
 
 
+def _columns_and_share(
+    table: PandasTable | BorrowedRows,
+) -> tuple[Sequence[Any], np.ndarray | pd.Index | None, float]:
+    """A table's columns and index, and the share of them it holds (borrowed
+    rows: their share of the input's rows)."""
+    if isinstance(table, BorrowedRows):
+        source = table.source
+        return source.values, source.index, len(table.rows) / max(source.nrows, 1)
+    return table.columns, table.index, 1.0
+
+
 class PandasBackend(TableBackend):
     name = "pandas"
     borrows = True
@@ -577,19 +589,23 @@ class PandasBackend(TableBackend):
 
     def concat_nbytes(self, table: PandasTable | BorrowedRows) -> int:
         # Columns of fixed width fill the output in place (_ColumnBuilder);
-        # strings, objects and the like are concatenated at the end.
-        columns: Sequence[Any]
-        index: np.ndarray | pd.Index | None
-        if isinstance(table, BorrowedRows):
-            source = table.source
-            columns, index = source.values, source.index
-            share = len(table.rows) / max(source.nrows, 1)
-        else:
-            columns, index, share = table.columns, table.index, 1.0
+        # strings, objects and the like are concatenated at the end (but see
+        # kept_nbytes).
+        columns, index, share = _columns_and_share(table)
         total = sum(int(c.nbytes) for c in columns if _fill_dtypes(c.dtype) is None)
         if index is not None and not isinstance(index, np.ndarray) and not _plain_index(index):
             total += int(index.nbytes)
         return int(total * share)
+
+    #: Pieces of at least this many rows keep their string chunks.
+    keep_rows = _KEEP_CHUNK_ROWS
+
+    def kept_nbytes(self, table: PandasTable | BorrowedRows) -> int:
+        # Arrow strings: a piece's chunk of keep_rows rows or more is copied
+        # (or taken) once as the piece is added and kept as a chunk of the
+        # output (_own_large_chunks, _coalesce), not joined at the end.
+        columns, _, share = _columns_and_share(table)
+        return int(share * sum(int(c.nbytes) for c in columns if arrow.is_strings(c)))
 
     def unshared_bytes(self, table: PandasTable | BorrowedRows) -> int | None:
         if isinstance(table, BorrowedRows):

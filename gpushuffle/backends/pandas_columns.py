@@ -390,6 +390,37 @@ def _coalesce(parts: list[Any], owned: Sequence[bool | frozenset[int]]) -> tuple
     return arrow.with_chunks(parts[0], chunks), copied
 
 
+def _own_large_chunks(
+    values: Any, owned: bool | frozenset[int]
+) -> tuple[Any, bool | frozenset[int], int]:
+    """Arrow string ``values`` with each large chunk that is a view of memory
+    not its own (a spill file's mapping, a message shared with other
+    partitions) copied now, while its pages are there; the addresses of what
+    is owned after; the bytes copied.
+
+    :func:`_coalesce` keeps such a chunk as it is, so the copy made now is
+    its only one.  Left as a view until the output is finished instead, a
+    piece read back from disk would be held twice at the end: its pages,
+    dropped once the piece was consumed (``store._drop_pages``) and read in
+    again by the final combine, beside the combined copy.
+    """
+    if owned is True or not arrow.is_strings(values):
+        return values, owned, 0
+    base = owned if isinstance(owned, frozenset) else frozenset()
+    chunks, addresses, copied = [], set(base), 0
+    for chunk in values._pa_array.iterchunks():
+        if len(chunk) >= _KEEP_CHUNK_ROWS and not arrow.made_of(chunk, base):
+            copy = pa.concat_arrays([chunk])  # a copy, even of one chunk
+            if arrow.made_of(copy, frozenset(b.address for b in copy.buffers() if b is not None)):
+                addresses.update(b.address for b in copy.buffers() if b is not None)
+                copied += copy.nbytes
+                chunk = copy
+        chunks.append(chunk)
+    if not copied:
+        return values, owned, 0
+    return arrow.with_chunks(values, chunks), frozenset(addresses), copied
+
+
 def _contiguous(values: Any) -> Any:
     """Arrow-backed ``values`` as one chunk: one copy of the string bytes."""
     chunked = getattr(values, "_pa_array", None)

@@ -14,6 +14,7 @@ from gpushuffle.backends import arrow, flat
 from gpushuffle.backends.pandas_columns import (
     _concat_column,
     _concat_index,
+    _own_large_chunks,
     _same_memory,
     _take_column,
 )
@@ -96,6 +97,11 @@ class _ColumnBuilder:
                 self.copied += part.nbytes
         else:
             self._stop_filling()
+            if values.dtype == self.dtype:
+                # Of the column's own dtype, its chunks are kept at the end
+                # (_coalesce); others are converted then, a copy anyway.
+                values, owned, copied = _own_large_chunks(values, owned)
+                self.copied += copied
             self.parts.append(values)
             self.owned.append(owned)
         self.position += n

@@ -14,7 +14,7 @@ gets the same answer every run (:func:`build_need`): the partition's bytes,
 what assembling it holds beyond them (the backend's
 :meth:`~gpushuffle.engine.tables.TableBackend.assembly_overhead`, from the
 partition's pieces), and the worker's *base*: what it holds that the build
-cannot move, measured once the run has made room (engine/run.py), which
+cannot move, measured once the run has made room (engine/budget.py), which
 does not depend on the moment the way a reading of RSS in mid-shuffle does.
 """
 

@@ -338,8 +338,11 @@ class HostBufferPool:
         idle_release: float,
         malloc_reuse: bool = False,
         huge_pages: bool = True,
+        configured_limit: int | None = None,
     ) -> None:
         self.limit = int(limit)
+        #: The most :meth:`bound_by` may give (the configured limit).
+        self.configured_limit = self.limit if configured_limit is None else int(configured_limit)
         self.huge_pages = bool(huge_pages)
         self.malloc = MallocReuse(malloc_reuse)
         self.idle_release = float(idle_release)
@@ -657,6 +660,11 @@ class HostBufferPool:
         finally:
             self.unhold()
 
+    def bound_by(self, host_budget: int) -> None:
+        """Keep at most twice the store's host budget in free blocks (its own,
+        and as much for the outputs built from it), within the configured limit."""
+        self.limit = min(self.configured_limit, 2 * max(0, int(host_budget)))
+
     def usage(self) -> dict[str, int]:
         """Bytes of free blocks (``free``) and of blocks in use, by tag."""
         with self._lock:
@@ -750,10 +758,12 @@ def _make_pool() -> HostBufferPool:
         if host_limit == "auto"
         else config.parse_budget(host_limit, total, "memory.host-limit")
     )
+    configured = limit
     limit = min(limit, 2 * budget)
     idle = parse_timedelta(config.get("memory.host-pool.idle-release"), default="s")
     return HostBufferPool(
         limit=limit,
+        configured_limit=configured,
         idle_release=idle or 0,
         malloc_reuse=bool(config.get("memory.host-pool.malloc-reuse")),
         huge_pages=huge_pages_setting(config.get("memory.host-pool.huge-pages")),

@@ -7,15 +7,13 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import gc
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,16 +39,12 @@ from gpushuffle._distributed import (
     ShuffleSpec,
     pin_output_tasks,
 )
-from gpushuffle.engine import copies, links
+from gpushuffle.engine import budget, copies, links
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import (
-    FitBudget,
-    OutputSize,
-    build_need,
     check_outputs_fit,
-    fits,
 )
-from gpushuffle.engine.pool import host_pool, malloc_trim
+from gpushuffle.engine.pool import host_pool
 from gpushuffle.engine.registry import backend_for
 from gpushuffle.engine.store import ShardStore
 from gpushuffle.errors import (
@@ -83,11 +77,6 @@ _LINGER_FRACTION = 16
 #: default) in all: a worker with 1,000 peers would otherwise hold up to
 #: 1,000 x 1 MiB of them.  Past that, the peers with the most go first.
 _LINGER_MESSAGES = 4
-
-#: Outputs up to this share of the worker's memory limit (with what building
-#: them holds beyond them) are built without first making room for them
-#: where the worker's RSS leaves room (GPUShuffleRun._host_budget).
-_SMALL_OUTPUT = 0.25
 
 #: How often a transfer task held back by a slow link looks again.
 _BACKLOG_POLL_S = 0.02
@@ -150,7 +139,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.worker_for = worker_for
         on_device = self.backend.tier == DEVICE
         memory = worker_memory(
-            device_sharers=_workers_sharing_the_gpu(worker.address, worker_for.values())
+            device_sharers=budget.workers_sharing_the_gpu(worker.address, worker_for.values())
             if on_device
             else None
         )
@@ -197,7 +186,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             offload=self.offload,
             wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
             describe=f"gpushuffle {spec.id} on {worker.address}",
+            host_sharers=budget.workers_on_host(worker.address, worker_for.values()),
         )
+        if memory.host.limit is not None:
+            # Free pool blocks count against the machine like the store does.
+            host_pool().bound_by(memory.host.limit)
         # Task and offload threads allocate in malloc arenas of their own,
         # which a trim of the whole process leaves as they are (see MallocReuse).
         for executor in (*worker.executors.values(), plugin._executor):
@@ -393,113 +386,16 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if not sizes:
             return
         largest = max(sizes.values(), key=lambda size: size.nbytes)
-        fail_at = float(config.get("memory.output-fail"))
         overhead = self.backend.assembly_overhead
-        if self.backend.tier == DEVICE:
-            memory = worker_memory()
-            # The store's own accounting: what every run on the worker holds
-            # on the device, this partition's pieces included.
-            budget = self._budget(memory.device_share or 0, memory.device.bytes, fail_at)
-            budget = dataclasses.replace(
-                budget,
-                memory="this worker's share of device memory",
-                base_note="the device memory its shuffles' stores hold",
-            )
-        else:
-            budget = self._host_budget(largest, fail_at, overhead)
-        check_outputs_fit(sizes, budget, overhead, where=f"{self.id} on {self.local_address}")
-
-    @staticmethod
-    def _budget(limit: int, base: int, fail_at: float) -> FitBudget:
-        return FitBudget(
-            limit=limit,
-            base=max(0, base),
-            fail_at=fail_at,
-            warn_at=float(config.get("memory.output-warn")),
-            memory="this worker's memory limit",
+        verdict = budget.output_budget(
+            self.backend.tier,
+            largest,
+            overhead,
+            make_room=lambda: budget.make_room(self.store, self._loop, str(self)),
+            worker=self._worker,
+            describe=str(self),
         )
-
-    def _host_budget(
-        self, largest: OutputSize, fail_at: float, overhead: Callable[[OutputSize], int]
-    ) -> FitBudget:
-        """The host budget: the worker's base is ``memory.worker-reserve``,
-        or what it holds once room is made where that is more.
-
-        A reading of RSS in a live worker is not a base to judge by: the
-        same 0.61 GiB partition on 1 GiB workers was built in one run and
-        refused in the next, and even after making room (the store on disk,
-        collected, malloc trimmed, the pool's free blocks gone) the workers'
-        own memory read 180 to 241 MiB from run to run.  The reserve makes
-        the verdict a rule on sizes; the measurement only refuses more, where
-        a worker holds more than its reserve (other libraries, a leak), and
-        the error says so.  Outputs of at most :data:`_SMALL_OUTPUT` of the
-        limit move nothing where even the worker's RSS leaves room.
-        """
-        limit = config.worker_memory_limit()
-        reserve = config.parse_budget(
-            config.get("memory.worker-reserve"), limit, "memory.worker-reserve"
-        )
-        budget = self._budget(limit, reserve, fail_at)
-        if not fits(largest, budget, overhead):
-            return budget  # refused on sizes alone: nothing to move or measure
-        small = largest.nbytes + overhead(largest) <= _SMALL_OUTPUT * limit
-        if small and fits(largest, self._budget(limit, max(reserve, _rss()), fail_at), overhead):
-            return budget
-        self._make_room()
-        managed = _managed_in_memory(self._worker)
-        held = _rss() - managed
-        logger.debug(
-            "%s: after making room the worker holds %d MiB besides distributed's %d MiB "
-            "of data in memory (reserve %d MiB); pool %s",
-            self,
-            held >> 20,
-            managed >> 20,
-            reserve >> 20,
-            {k: v >> 20 for k, v in host_pool().usage().items()},
-        )
-        if held > reserve:
-            budget = dataclasses.replace(
-                budget,
-                base=held,
-                base_note="measured after making room: more than gpushuffle.memory.worker-reserve",
-            )
-        if fits(largest, budget, overhead):
-            # distributed's data stays in memory until the worker passes its
-            # spill fraction; the build would get there at once.
-            room = int(fail_at * limit) - build_need(largest, budget, overhead)
-            _evict_managed(self._worker, keep=max(0, room))
-        return budget
-
-    def _make_room(self) -> None:
-        """Move the store's host tier to disk, collect, trim malloc and unmap
-        the pool's free blocks: what is left is what the worker needs.
-
-        Every shard is in now, and the pieces of partitions not being built
-        share received buffers with the one that is: a hot partition of half
-        the limit, on top of the worker's own memory and a full host budget,
-        came within a few percent of the Nanny's restart (seen in CI on 1 GiB
-        workers).  Built from disk, the output holds one piece at a time.
-        """
-        if self.store.statistics.host_bytes:
-            in_memory = self.store.statistics.host_bytes
-            try:
-                moved = sync(self._loop, self.store.shed_host, True)
-            except OSError as e:
-                # A full or failing disk: the outputs are built from memory, as
-                # they would have been; a put that needs the disk reports it.
-                logger.warning(
-                    "%s: moving received shards to disk for the outputs failed: %r", self, e
-                )
-                moved = 0
-            if moved:
-                logger.info(
-                    "%s: moved %d MiB of received shards to disk before building the outputs",
-                    self,
-                    (in_memory - self.store.statistics.host_bytes) >> 20,
-                )
-        gc.collect()
-        host_pool().release_idle(0)
-        malloc_trim()
+        check_outputs_fit(sizes, verdict, overhead, where=f"{self.id} on {self.local_address}")
 
     def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.
@@ -962,36 +858,6 @@ def _receive_buffer(nbytes: int) -> np.ndarray:
     return host_pool().empty(nbytes, np.uint8, tag="receive")
 
 
-def _workers_sharing_the_gpu(address: str, workers: Iterable[str]) -> int:
-    """How many workers of a run likely share this worker's GPU.
-
-    Workers on the same host as ``address``, spread over the GPUs this
-    process may use: dask-cuda runs one worker per GPU (1), two workers on a
-    one-GPU machine, or pinned to one GPU of many, share it (2).
-    """
-    host = get_address_host(address)
-    local = len({w for w in workers if get_address_host(w) == host} | {address})
-    return max(1, -(-local // max(1, _visible_gpus())))
-
-
-def _visible_gpus() -> int:
-    """The GPUs this process may use, as dask-cuda counts them
-    (``dask_cuda.utils.get_n_gpus``, 26.10): the entries of
-    ``CUDA_VISIBLE_DEVICES`` where it is set, else NVML's count of the host's
-    GPUs (no CUDA context is opened).  NVML alone counts every GPU of the host
-    and so undercounts workers pinned to one of several.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    try:
-        from distributed.diagnostics import nvml
-
-        return int(nvml.device_get_count())
-    except Exception:
-        return 0
-
-
 # -- the spec: what the scheduler and workers need to start a run -------------
 #
 # It travels once, on the barrier task (P2PBarrierTask), and carries ``meta``:
@@ -1061,37 +927,6 @@ class GPUShuffleSpec(ShuffleSpec[int]):
             span_id=span_id,
             plugin=plugin,
         )
-
-
-def _rss() -> int:
-    """This process's resident memory, as the Nanny reads it."""
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _managed_in_memory(worker: Any) -> int:
-    """What distributed counts of the worker's data in memory (sizeof)."""
-    fast = getattr(worker.data, "fast", None)
-    weight = getattr(fast, "total_weight", None)
-    return int(weight) if weight is not None else 0
-
-
-def _evict_managed(worker: Any, keep: int) -> int:
-    """Have distributed spill the worker's data (least recently used first)
-    until at most ``keep`` bytes of it are in memory; return what is left.
-
-    What distributed's memory monitor would do once the build passed the
-    spill fraction, done before it: the monitor acts every 100 ms, a build
-    allocates faster.  Workers without a spill buffer keep their data.
-    """
-    evict = getattr(worker.data, "evict", None)
-    left = _managed_in_memory(worker)
-    while evict is not None and left > keep:
-        if evict() < 0:  # nothing more it can spill
-            break
-        left = _managed_in_memory(worker)
-    return left
 
 
 def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:

@@ -163,6 +163,9 @@ class ShardStore:
         Seconds a receiver waits for other runs to free memory.
     describe
         Names the run in error messages.
+    host_sharers
+        The run's workers on this machine, this one included: an ``auto``
+        host budget is the machine's divided among them.
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class ShardStore:
         offload: Callable[..., Awaitable[Any]],
         wait_timeout: float,
         describe: str = "gpushuffle",
+        host_sharers: int = 1,
     ) -> None:
         self._backend = backend
         self._memory = memory
@@ -194,7 +198,7 @@ class ShardStore:
         # Free pool blocks stay while a run is open, for its next split or
         # unpack; the last run closing starts the pool's countdown to release.
         host_pool().hold()
-        memory.start_run()
+        memory.start_run(host_sharers)
 
     # -- receiving (event loop) --------------------------------------------
 
@@ -206,6 +210,8 @@ class ShardStore:
         tier = self._backend.tier
         unshared = self._backend.unshared_bytes(shard.table)
         concat_nbytes = self._backend.concat_nbytes(shard.table)
+        keep_rows = self._backend.keep_rows
+        kept_nbytes = self._backend.kept_nbytes(shard.table) if keep_rows else 0
         group = _Group(
             tier=tier,
             nbytes=shard.nbytes if unshared is None else unshared,
@@ -228,7 +234,11 @@ class ShardStore:
                 chunk=shard.chunk,
                 nrows=stop - start,
                 nbytes=shard.nbytes * (stop - start) // total_rows,
-                concat_nbytes=concat_nbytes * (stop - start) // total_rows,
+                concat_nbytes=(
+                    concat_nbytes - (kept_nbytes if stop - start >= keep_rows > 0 else 0)
+                )
+                * (stop - start)
+                // total_rows,
                 table=self._backend.slice(shard.table, start, stop),
                 group=group,
             )

@@ -190,6 +190,16 @@ class TableBackend(abc.ABC):
         says otherwise."""
         return self.nbytes(table)
 
+    #: Pieces of at least this many rows add :meth:`kept_nbytes` of their
+    #: bytes to the output once, as they are added, instead of joining them
+    #: at the end; 0: never.
+    keep_rows: int = 0
+
+    def kept_nbytes(self, table: Any) -> int:
+        """Of :meth:`concat_nbytes`, the bytes a piece of at least
+        :attr:`keep_rows` rows adds to the output once, as it is added."""
+        return 0
+
     def assembly_overhead(self, size: OutputSize) -> int:
         """Memory building an output of ``size`` holds beyond the output
         itself, at its peak (engine/outputs.py budgets for it): the piece

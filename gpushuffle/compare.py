@@ -25,26 +25,32 @@ import pandas as pd
 from gpushuffle.engine.copies import STAGES
 
 
-def _partition_checksum(part: Any) -> pd.DataFrame:
-    """Rows and an order-free checksum of one partition's rows, index included."""
+def _partition_checksum(part: Any, index: bool = True) -> pd.DataFrame:
+    """Rows and an order-free checksum of one partition's rows (with their
+    index labels, or without: ``index``)."""
     if not isinstance(part, pd.DataFrame | pd.Series) and hasattr(part, "to_pandas"):
         part = part.to_pandas()  # cuDF: hashed on the host, where pandas' hash is defined
-    hashed = pd.util.hash_pandas_object(part, index=True).to_numpy()
+    hashed = pd.util.hash_pandas_object(part, index=index).to_numpy()
     # uint64 addition wraps: a sum modulo 2**64, the same in any row order.
     checksum = int(hashed.sum(dtype=np.uint64)) if len(hashed) else 0
     return pd.DataFrame({"rows": [len(part)], "checksum": [checksum]})
 
 
-def partition_checksums(collection: Any) -> pd.DataFrame:
+def partition_checksums(collection: Any, index: bool = True) -> pd.DataFrame:
     """Each output partition's row count and checksum, one row per partition.
 
-    The checksum is the sum of pandas' row hashes (index included) modulo
-    2**64: equal for two partitions with the same rows in any order, so two
-    shuffles agree partition by partition when these frames are equal.
+    The checksum is the sum of pandas' row hashes modulo 2**64: equal for two
+    partitions with the same rows in any order, so two shuffles agree
+    partition by partition when these frames are equal.  With ``index`` the
+    rows' index labels count; pass ``index=False`` where the index only
+    numbers the rows (a merge's output has a fresh RangeIndex, whose labels
+    follow the order in which each method assembled the rows).
     """
     import dask
 
-    parts = dask.compute(*[dask.delayed(_partition_checksum)(p) for p in collection.to_delayed()])
+    parts = dask.compute(
+        *[dask.delayed(_partition_checksum)(p, index) for p in collection.to_delayed()]
+    )
     frame = (
         pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["rows", "checksum"])
     )
@@ -175,12 +181,13 @@ def _output_keys(collection: Any) -> list[Any]:
     return list(flatten(collection.__dask_keys__()))
 
 
-def _wait_forgotten(client: Any, keys: list[Any], timeout: float = 30.0) -> None:
+def _wait_forgotten(client: Any, keys: list[Any], timeout: float = 30.0) -> list[Any]:
     """Released results leave the scheduler asynchronously: wait, so that the
-    next run computes its own instead of finding these."""
+    next run computes its own instead of finding these; return those still held."""
     deadline = time.monotonic() + timeout
-    while client.run_on_scheduler(_held, keys=keys) and time.monotonic() < deadline:
+    while (held := client.run_on_scheduler(_held, keys=keys)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return held
 
 
 def _stage_ns(client: Any) -> dict[str, int]:
@@ -196,22 +203,36 @@ def compare(
     *,
     repeat: int = 1,
     client: Any = None,
+    index: bool = True,
 ) -> Comparison:
     """Run ``compute(method)`` for each method, ``repeat`` times, alternating.
 
     ``compute`` returns a dask collection that uses the shuffle method it is
-    given, for example ``lambda m: left.merge(right, on="k", shuffle_method=m)``.
+    given, for example ``lambda m: left.merge(right, on="k", shuffle_method=m)``
+    (with ``index=False``: a merge's index only numbers its rows, see
+    :func:`partition_checksums`).
     Each run is persisted and waited for (the wall time), then its partitions
     are checksummed (not timed) and released.  Check the answers with
     :meth:`Comparison.same_results`.
     """
-    from distributed import default_client, wait
+    from distributed import default_client
 
     if not methods:
         raise ValueError("compare: name at least one shuffle method, e.g. ('gpushuffle', 'p2p')")
     if repeat < 1:
         raise ValueError(f"compare: repeat={repeat}; run each method at least once")
     client = client or default_client()
+    with client.as_current():  # persist, wait and the checksums on this client
+        runs = _run_all(client, compute, methods, repeat, index)
+    workers = len(client.scheduler_info(n_workers=-1)["workers"])
+    return Comparison(runs=tuple(runs), workers=workers)
+
+
+def _run_all(
+    client: Any, compute: Callable[[str], Any], methods: Sequence[str], repeat: int, index: bool
+) -> list[MethodRun]:
+    from distributed import wait
+
     runs = []
     for i in range(repeat):
         for method in methods:
@@ -220,12 +241,11 @@ def compare(
             if hasattr(collection, "optimize"):  # dask's DataFrame collections
                 collection = collection.optimize()
             keys = _output_keys(collection)
-            # A result released just before may take a moment to leave.
-            _wait_forgotten(client, keys, timeout=2.0)
             # This client's futures (a collection persisted here) are known at
-            # once; the scheduler also knows other clients'.
+            # once; the scheduler also knows other clients', and a result
+            # released just before may take a moment to leave it.
             mine = [k for k in keys if k in client.futures]
-            if held := mine or client.run_on_scheduler(_held, keys=keys):
+            if held := mine or _wait_forgotten(client, keys, timeout=2.0):
                 raise ValueError(
                     f"compare: the cluster already holds the result of compute({method!r})"
                     f" (key {held[0]!r}, persisted earlier?), so it would not run again:"
@@ -237,9 +257,13 @@ def compare(
             wait(result)
             wall = time.perf_counter() - start
             after = _stage_ns(client) if method == "gpushuffle" else {}
-            checksums = partition_checksums(result)
+            checksums = partition_checksums(result, index)
             del result, collection
-            _wait_forgotten(client, keys)
+            if still := _wait_forgotten(client, keys):
+                raise RuntimeError(
+                    f"compare: {len(still)} results of compute({method!r}) were still held"
+                    f" 30 s after their release (key {still[0]!r}); another client holds them?"
+                )
             runs.append(
                 MethodRun(
                     method=method,
@@ -250,5 +274,4 @@ def compare(
                     stage_seconds={s: (after[s] - before.get(s, 0)) / 1e9 for s in after},
                 )
             )
-    workers = len(client.scheduler_info(n_workers=-1)["workers"])
-    return Comparison(runs=tuple(runs), workers=workers)
+    return runs

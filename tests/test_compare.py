@@ -33,6 +33,14 @@ def test_checksums_ignore_row_order_and_see_one_changed_value():
     assert same.equals(shuffled)
     assert not same.equals(other)
     assert same["rows"].tolist() == [4]
+    # Where the index only numbers the rows (a merge's fresh RangeIndex),
+    # index=False: the same rows in another order, renumbered, are the same.
+    renumbered = dd.from_pandas(pdf.iloc[[2, 0, 3, 1]].reset_index(drop=True), npartitions=1)
+    with dask.config.set(scheduler="sync"):
+        assert partition_checksums(renumbered, index=False).equals(
+            partition_checksums(dd.from_pandas(pdf, npartitions=1), index=False)
+        )
+        assert not partition_checksums(renumbered).equals(same)
 
 
 def test_compare_times_each_method_and_checks_their_partitions():

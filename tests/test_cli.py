@@ -846,7 +846,7 @@ def test_plot_from_results(tmp_path):
     assert _barrier_time(results[0], "tcp://w0") == pytest.approx(2.0)
 
     # In Jupyter: the medians as a table, and the same picture inline.
-    from gpushuffle.bench import BenchmarkReport
+    from gpushuffle.report import BenchmarkReport
 
     report = BenchmarkReport(tuple(results), context)
     table = report.table()

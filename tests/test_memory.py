@@ -271,7 +271,7 @@ def test_auto_host_budget_divides_the_machine_among_the_workers_on_it(monkeypatc
         64 << 20,
     ]
     assert auto_host_limit(disk_enabled=False, sharers=8) > 10 << 30  # nowhere else to go
-    workers = ["tcp://10.0.0.1:1", "tcp://10.0.0.1:2", "tcp://10.0.0.2:1", "ucx://10.0.0.1:3"]
+    workers = ["tcp://10.0.0.1:1", "tcp://10.0.0.1:2", "tcp://10.0.0.2:1", "tls://10.0.0.1:3"]
     assert workers_on_host("tcp://10.0.0.1:1", workers) == 3
     assert workers_on_host("tcp://10.0.0.2:1", workers) == 1
     assert workers_on_host("tcp://10.0.0.3:1", workers) == 1  # itself, not in the list

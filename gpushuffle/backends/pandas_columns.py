@@ -411,8 +411,9 @@ def _own_large_chunks(
     for chunk in values._pa_array.iterchunks():
         if len(chunk) >= _KEEP_CHUNK_ROWS and not arrow.made_of(chunk, base):
             copy = pa.concat_arrays([chunk])  # a copy, even of one chunk
-            if arrow.made_of(copy, frozenset(b.address for b in copy.buffers() if b is not None)):
-                addresses.update(b.address for b in copy.buffers() if b is not None)
+            own = frozenset(b.address for b in copy.buffers() if b is not None)
+            if arrow.made_of(copy, own):
+                addresses.update(own)
                 copied += copy.nbytes
                 chunk = copy
         chunks.append(chunk)

@@ -18,7 +18,9 @@ hashes of a frame's columns (unchanged from pandas 1.x to 3.1), which
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dask._task_spec import Alias, Task, TaskRef
@@ -49,6 +51,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.scheduler import Scheduler
 from distributed.shuffle._core import (
     P2PBarrierTask,
+    SchedulerShuffleState,
     ShuffleId,
     ShuffleRun,
     ShuffleSpec,
@@ -62,6 +65,7 @@ from distributed.shuffle._exceptions import (
     ShuffleClosedError,
 )
 from distributed.shuffle._limiter import ResourceLimiter
+from distributed.shuffle._scheduler_plugin import ShuffleSchedulerPlugin
 from distributed.shuffle._worker_plugin import ShuffleWorkerPlugin
 from pandas.core.util.hashing import combine_hash_arrays  # type: ignore[attr-defined]
 from pandas.util import hash_array
@@ -238,8 +242,176 @@ def _release_failed_runs(scheduler: Scheduler) -> ReleaseFailedRuns:
     return plugin
 
 
+#: The worker stream op that tells a run to hand its store over when it
+#: fails (a peer left; partial recovery, :mod:`gpushuffle.engine.recovery`).
+KEEP_RUN = "gpushuffle-keep-run"
+#: The worker stream op that releases what runs of a shuffle kept for a
+#: next run that will not come (the shuffle erred or was forgotten).
+DROP_KEPT = "gpushuffle-drop-kept"
+#: The scheduler handler a run asks to run again for an output it left out.
+RESTART_FOR_OUTPUT = "gpushuffle_restart_for_output"
+#: The worker handler a recovering run's senders ask for its buckets.
+HELD = "gpushuffle_held"
+
+
+def _partial(barrier: Any) -> bool:
+    """Whether the shuffle of ``barrier`` (a TaskState) recovers partially."""
+    spec = getattr(barrier.run_spec, "spec", None)
+    return bool(getattr(spec, "partial_recovery", False))
+
+
+class PartialRestartPlugin(ShuffleSchedulerPlugin):
+    """distributed's shuffle scheduler plugin, with what partial recovery
+    changes in its restart of a shuffle whose worker left
+    (:mod:`gpushuffle.engine.recovery`), for gpushuffle's shuffles with
+    ``gpushuffle.recovery: partial`` only:
+
+    - before a run is failed because a participant left, the survivors are
+      told to keep what their run holds (:data:`KEEP_RUN`);
+    - the restart does not release outputs already in memory.
+
+    Installed on the scheduler's plugin as the first gpushuffle run is
+    created (:func:`install_partial_restarts`): the instance keeps its
+    state, only its class changes.
+    """
+
+    def _restart_recommendations(self, id: ShuffleId) -> dict:
+        recs = super()._restart_recommendations(id)
+        barrier = self.scheduler.tasks[barrier_key(id)]
+        if not _partial(barrier):
+            return recs
+        if not recs:
+            # No restart (an output erred: KilledWorker): no run will follow.
+            self._drop_kept(id)
+        for dependent in barrier.dependents:
+            if dependent.state == "memory" and dependent.who_has:
+                recs.pop(dependent.key, None)
+        return recs
+
+    def _drop_kept(self, shuffle_id: ShuffleId) -> None:
+        """Tell the workers that ran ``shuffle_id`` to release what they kept
+        for its next run (:data:`DROP_KEPT`: they know the op)."""
+        ran = set().union(
+            *(run.participating_workers for run in self._shuffles.get(shuffle_id, ()))
+        )
+        message = {"op": DROP_KEPT, "shuffle_id": shuffle_id}
+        workers = ran & self.scheduler.workers.keys()
+        self.scheduler.send_all({}, {w: [dict(message)] for w in workers})
+
+    def remove_worker(
+        self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        for shuffle in list(self.active_shuffles.values()):
+            self._keep_if_a_worker_left(shuffle)
+        super().remove_worker(scheduler, worker, stimulus_id=stimulus_id, **kwargs)
+
+    def transition(
+        self, key: Any, start: Any, finish: Any, *args: Any, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        shuffle_id = id_from_key(key)
+        if shuffle_id and finish == "released":
+            # A barrier released while its worker is removed fails the run
+            # here, before remove_worker is called.
+            if (shuffle := self.active_shuffles.get(shuffle_id)) is not None:
+                self._keep_if_a_worker_left(shuffle)
+        elif shuffle_id and finish in ("erred", "forgotten") and shuffle_id in self._shuffles:
+            # No run will follow: what survivors kept for one goes now.
+            self._drop_kept(shuffle_id)
+        super().transition(key, start, finish, *args, stimulus_id=stimulus_id, **kwargs)
+
+    def _keep_if_a_worker_left(self, shuffle: SchedulerShuffleState) -> None:
+        barrier = self.scheduler.tasks.get(barrier_key(shuffle.id))
+        if barrier is None or not _partial(barrier):
+            return
+        alive = [w for w in shuffle.participating_workers if w in self.scheduler.workers]
+        if len(alive) == len(shuffle.participating_workers):
+            return
+        message = {"op": KEEP_RUN, "shuffle_id": shuffle.id, "run_id": shuffle.run_id}
+        self.scheduler.send_all({}, {worker: [dict(message)] for worker in alive})
+
+    def restart_for_output(self, id: ShuffleId, run_id: int, partition: int) -> None:
+        """Run ``id`` again: output ``partition``, built before a worker left
+        and so left out of run ``run_id``, is needed again (its result was
+        lost).  The next run leaves it in."""
+        shuffle = self.active_shuffles.get(id)
+        if shuffle is None or shuffle.run_id != run_id:
+            return  # already restarted
+        stimulus_id = f"gpushuffle-output-{partition}-needed-again-{time.time()}"
+        self._fail_on_workers(shuffle, f"output {partition} of {shuffle} is needed again")
+        self._clean_on_scheduler(id, stimulus_id)
+        self._restart_shuffle(id, self.scheduler, stimulus_id=stimulus_id)
+
+
+def install_partial_restarts(scheduler: Scheduler) -> None:
+    """Make ``scheduler``'s shuffle plugin a :class:`PartialRestartPlugin`,
+    with its :data:`RESTART_FOR_OUTPUT` handler."""
+    plugin = scheduler.plugins.get("shuffle")
+    if type(plugin) is ShuffleSchedulerPlugin:
+        plugin.__class__ = PartialRestartPlugin
+    if isinstance(plugin, PartialRestartPlugin):
+        scheduler.handlers.setdefault(RESTART_FOR_OUTPUT, _restart_for_output_handler(plugin))
+
+
+def _restart_for_output_handler(plugin: PartialRestartPlugin) -> Callable[..., None]:
+    def gpushuffle_restart_for_output(id: ShuffleId, run_id: int, partition: int) -> None:
+        plugin.restart_for_output(id, run_id, partition)
+
+    return gpushuffle_restart_for_output
+
+
+@dataclass(frozen=True)
+class PreviousRun:
+    """What the scheduler knows, as a shuffle's new run is created, of the run before."""
+
+    worker_for: dict[int, str] | None
+    #: The spec of the run before (its ``generation`` among others).
+    spec: Any
+    alive: frozenset[str]
+    #: Output partitions whose tasks are in memory (built and kept).
+    built: frozenset[int]
+
+
+def previous_run(
+    shuffle_id: ShuffleId, partition_of: Callable[[Any], int | None]
+) -> PreviousRun | None:
+    """The run before ``shuffle_id``'s new one, on the scheduler in this process
+    that holds the barrier (None where there is none, or no such scheduler)."""
+    key = barrier_key(shuffle_id)
+    # Tests stand a scheduler class without instances in (as for pins).
+    for scheduler in list(getattr(Scheduler, "_instances", ())):
+        barrier = scheduler.tasks.get(key)
+        plugin = scheduler.plugins.get("shuffle")
+        if barrier is None or not isinstance(plugin, ShuffleSchedulerPlugin):
+            continue
+        install_partial_restarts(scheduler)
+        runs = plugin._shuffles.get(shuffle_id)
+        if not runs:
+            return None
+        last = max(runs, key=lambda state: state.run_id)
+        # Built: in memory, or released and not wanted (consumed by what
+        # follows); one wanted again later makes its run restart
+        # (RESTART_FOR_OUTPUT).
+        built = set()
+        for ts in barrier.dependents:
+            if ts.state == "released" or (ts.state == "memory" and ts.who_has):
+                partition = partition_of(ts.run_spec)
+                if partition is not None:
+                    built.add(partition)
+        return PreviousRun(
+            worker_for=dict(last.run_spec.worker_for),
+            spec=last.run_spec.spec,
+            alive=frozenset(scheduler.workers),
+            built=frozenset(built),
+        )
+    return None
+
+
 __all__ = [
+    "DROP_KEPT",
+    "HELD",
+    "KEEP_RUN",
     "RELEASE_FAILED_RUN",
+    "RESTART_FOR_OUTPUT",
     "RESTRICT_OUTPUT_TASK",
     "Alias",
     "Assign",
@@ -280,4 +452,5 @@ __all__ = [
     "merge_chunk",
     "partitioning_index",
     "pin_output_tasks",
+    "previous_run",
 ]

@@ -125,6 +125,7 @@ class GPUShuffle(SimpleShuffle):
                 parts_out=tuple(parts_out) if self._filtered else self.npartitions_out,
                 ignore_index=bool(self.ignore_index),
                 borrow_inputs=_persisted_input(self.frame),
+                partial_recovery=bool((self.options or {}).get(_RECOVERY_OPTION, False)),
             ),
         )
         dsk[barrier.key] = barrier
@@ -220,6 +221,18 @@ def _read_persisted(node: Any, aliases: dict[Any, Any]) -> Any:
     return Task.fuse(*reads, node, key=node.key) if reads else node
 
 
+def partial_recovery() -> bool:
+    """Whether ``gpushuffle.recovery`` asks for partial recovery (see
+    :mod:`gpushuffle.engine.recovery`); a clear error for anything else."""
+    value = str(config.get("recovery")).lower()
+    if value not in ("partial", "restart"):
+        raise ValueError(
+            f"gpushuffle.recovery must be 'partial' or 'restart', got {value!r}: "
+            "set it with dask.config.set({'gpushuffle.recovery': 'partial'})"
+        )
+    return value == "partial"
+
+
 def _persisted_input(frame: Any) -> bool:
     """Whether the transfer tasks get persisted data, or columns added to it.
 
@@ -270,10 +283,27 @@ def _lower_with_gpushuffle(self: Shuffle, _dask_lower: Any) -> Any:
             self.partitioning_index,
             self.npartitions_out,
             _drops_index(self),
-            self.options,
+            _with_client_settings(self.options),
             self.original_partitioning_index,
         )
     )
+
+
+#: The key in a ``GPUShuffle``'s options under which the client's
+#: ``gpushuffle.recovery`` travels (see :func:`_with_client_settings`).
+_RECOVERY_OPTION = "gpushuffle.partial-recovery"
+
+
+def _with_client_settings(options: Any) -> dict[str, Any]:
+    """``options`` and the settings read where the collection is lowered.
+
+    distributed's client lowers an expression, but its scheduler builds the
+    graph (``__dask_graph__``, so ``_layer``) from it: a setting read there
+    is the scheduler's, not what ``dask.config.set`` said around
+    ``compute()`` on the client.  What the graph's spec needs from the
+    client's configuration is read here and travels in the expression.
+    """
+    return {**(options or {}), _RECOVERY_OPTION: partial_recovery()}
 
 
 def _drops_index(shuffle: Shuffle) -> bool:
@@ -312,6 +342,10 @@ class GPUHashJoin(HashJoinP2P):
     Parameters, ``_meta`` and divisions are ``HashJoinP2P``'s, so the result
     is the same collection dask's p2p join gives.
     """
+
+    # Read where the join is lowered (the client): see _with_client_settings.
+    _parameters = [*HashJoinP2P._parameters, "partial_recovery"]
+    _defaults = {**HashJoinP2P._defaults, "partial_recovery": False}
 
     @property
     def _funcname(self) -> str:
@@ -374,6 +408,7 @@ class GPUHashJoin(HashJoinP2P):
                 # sides' indexes need not travel.
                 ignore_index=not self._keeps_index,
                 borrow_inputs=_persisted_input(frame),
+                partial_recovery=bool(self.partial_recovery),
             ),
         )
         dsk[barrier.key] = barrier
@@ -461,6 +496,7 @@ def _lower_merge_with_gpushuffle(self: Merge, _dask_lower: Any) -> Any:
                 shuffle_left_on=left.partitioning_index,
                 shuffle_right_on=right.partitioning_index,
                 _npartitions=left.npartitions_out,
+                partial_recovery=partial_recovery(),
             )
         )
     if added_left:

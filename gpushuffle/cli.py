@@ -127,6 +127,24 @@ def main() -> None:
     help="After each run, keep sampling this long and record how much RSS each worker "
     "kept (the 'left MiB' column: the largest worker's growth over the run).",
 )
+@click.option(
+    "--kill-at",
+    type=float,
+    default=None,
+    metavar="FRACTION",
+    help="Measure what losing a worker costs: each method runs without a fault, then "
+    "again with one worker process SIGKILLed at this fraction of that run's time (its "
+    "Nanny restarts it); results checked against the tasks shuffle.  Methods: gpushuffle "
+    "(recovery: partial), gpushuffle-restart, p2p.",
+)
+@click.option(
+    "--kill-every",
+    type=float,
+    default=None,
+    metavar="FRACTION",
+    help="As --kill-at, but a worker is SIGKILLed every FRACTION of the no-fault time "
+    "for as long as the run lasts (given up after 10x).",
+)
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
 @click.option("--debug", is_flag=True, help="Show the scheduler's shuffle log.")
 @click.option(
@@ -151,6 +169,8 @@ def bench(
     skew: str,
     worker_memory: str | None,
     settle: float,
+    kill_at: float | None,
+    kill_every: float | None,
     json_path: str | None,
     debug: bool,
     plot_path: str | None,
@@ -178,6 +198,13 @@ def bench(
     except ValueError as e:
         raise BadArguments(f"--skew {e}") from None
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    if kill_at is not None or kill_every is not None:
+        with _quiet_shuffle_log(debug):
+            _bench_losses(
+                rows, columns, dtypes, partitions, workers, method_list, repeat,
+                kill_at, kill_every, json_path,
+            )  # fmt: skip
+        return
     if len(shares) > 1:
         if not worker_memory:
             raise BadArguments("--skew with several shares sweeps them: give --worker-memory")
@@ -260,6 +287,78 @@ def bench(
 
         plot_benchmark(results, context, plot_path)
         click.echo(f"wrote {plot_path}")
+
+
+def _bench_losses(
+    rows: int,
+    columns: int,
+    dtypes: str,
+    partitions: int,
+    workers: int,
+    methods: list[str],
+    repeat: int,
+    kill_at: float | None,
+    kill_every: float | None,
+    json_path: str | None,
+) -> None:
+    """``bench --kill-at`` / ``--kill-every`` (:mod:`gpushuffle.bench_loss`)."""
+    from gpushuffle.bench_loss import (
+        LOSS_METHODS,
+        LossResult,
+        format_losses,
+        run_loss_benchmark,
+        summarize_losses,
+    )
+
+    if kill_at is not None and kill_every is not None:
+        raise BadArguments("give --kill-at or --kill-every, not both")
+    if not 0 < (kill_at or kill_every or 0) < 10:
+        raise BadArguments("--kill-at/--kill-every: a fraction of the no-fault time, above 0")
+    if set(methods) - LOSS_METHODS.keys():
+        # The default list has tasks, which this does not time; others are errors.
+        methods = [m for m in methods if m in LOSS_METHODS] or list(LOSS_METHODS)
+
+    def progress(r: LossResult) -> None:
+        fault = "not finished" if r.fault_s is None else f"{r.fault_s:.2f} s"
+        click.echo(
+            f"  {r.method:<19} run {r.repeat}: {r.no_fault_s:.2f} s, with {r.kills} "
+            f"loss(es) {fault}, {'right' if r.correct else 'WRONG'}"
+            + (f" ({r.error})" if r.error else ""),
+            err=True,
+        )
+
+    results, context = run_loss_benchmark(
+        rows=rows,
+        columns=columns,
+        partitions=partitions,
+        workers=workers,
+        methods=methods,
+        repeat=repeat,
+        kill_at=kill_at,
+        kill_every=kill_every,
+        dtypes=dtypes,
+        on_result=progress,
+    )
+    what = (
+        f"one worker killed at {kill_at:g}x"
+        if kill_at
+        else f"a worker killed every {kill_every:g}x"
+    )
+    click.echo(
+        f"{rows:,} rows x {columns} {dtypes} columns, {partitions} partitions, "
+        f"{workers} workers; {what} of the no-fault time\n{context['machine']}"
+    )
+    click.echo(format_losses(summarize_losses(results)))
+    if json_path:
+        import dataclasses
+
+        with open(json_path, "w") as f:
+            json.dump(
+                {"context": context, "results": [dataclasses.asdict(r) for r in results]},
+                f,
+                indent=1,
+            )
+        click.echo(f"wrote {json_path}")
 
 
 def _sweep_skew(

@@ -57,6 +57,12 @@ class Shard:
     table: Any
     nbytes: int
     chunk: int = 0
+    #: How many chunks the shard was cut into: a receiver holds all of an
+    #: input's rows for its partitions once it has every one.
+    chunks: int = 1
+    #: Which of the receiver's groups of output partitions the rows are for
+    #: (0 in a run that recovers nothing; :mod:`gpushuffle.engine.recovery`).
+    bucket: int = 0
     #: The sending worker's address (named in errors about what it sent).
     sender: str = ""
     #: Sender: whether the large frames are lent to a receiver on this
@@ -239,6 +245,8 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
         "offsets": shard.offsets.tolist(),
         "nbytes": shard.nbytes,
         "chunk": shard.chunk,
+        "chunks": shard.chunks,
+        "bucket": shard.bucket,
         "sender": shard.sender,
         "table": header,
     }
@@ -261,6 +269,8 @@ def _deserialize(header: dict[str, Any], frames: Sequence[Any]) -> Shard:
         table=None,
         nbytes=header["nbytes"],
         chunk=header["chunk"],
+        chunks=header.get("chunks", 1),
+        bucket=header.get("bucket", 0),
         sender=header.get("sender", ""),
     )
     if header.get("lender") is not None:

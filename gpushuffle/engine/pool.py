@@ -627,6 +627,12 @@ class HostBufferPool:
                 self._activity.since = time.monotonic()
             return every
 
+    def uncount_unpack(self) -> None:
+        """A shuffle counted by :meth:`count_unpack` transfers again (a run
+        that adopted its store after a worker's loss)."""
+        with self._lock:
+            self._activity.unpacking = max(0, self._activity.unpacking - 1)
+
     # -- shuffles running -----------------------------------------------------
 
     def hold(self) -> None:

@@ -7,13 +7,14 @@ distributed's: this class fills in the data path of its ``ShuffleRun``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,7 +31,11 @@ from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
 from gpushuffle._distributed import (
+    DROP_KEPT,
+    HELD,
+    KEEP_RUN,
     RELEASE_FAILED_RUN,
+    RESTART_FOR_OUTPUT,
     RESTRICT_OUTPUT_TASK,
     P2PConsistencyError,
     ResourceLimiter,
@@ -38,8 +43,9 @@ from gpushuffle._distributed import (
     ShuffleRun,
     ShuffleSpec,
     pin_output_tasks,
+    previous_run,
 )
-from gpushuffle.engine import budget, copies, links
+from gpushuffle.engine import budget, copies, links, recovery
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import (
     check_outputs_fit,
@@ -179,15 +185,38 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # that they fit: other task threads wait for it before building any.
         self._outputs_checked = threading.Event()
         self._inputs_done_lock = asyncio.Lock()
-        self.store = ShardStore(
-            backend=self.backend,
-            memory=memory,
-            directory=os.path.join(worker.local_directory, f"gpushuffle-{spec.id}-{run_id}"),
-            offload=self.offload,
-            wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
-            describe=f"gpushuffle {spec.id} on {worker.address}",
-            host_sharers=budget.workers_on_host(worker.address, worker_for.values()),
+        # Partial recovery (:mod:`gpushuffle.engine.recovery`): a run after a
+        # worker's loss adopts what this worker's run before it held.
+        self.generation = spec.generation
+        mine = [p for p, w in worker_for.items() if w == worker.address and p not in spec.done]
+        holding = recovery.holdings.take(worker.address, spec.id) if spec.generation else None
+        if holding is not None and holding.run_id >= run_id:
+            holding.store.close()  # pragma: no cover - a newer run's: never handed back
+            holding = None
+        self.store = (
+            holding.store
+            if holding is not None
+            else ShardStore(
+                backend=self.backend,
+                memory=memory,
+                directory=os.path.join(worker.local_directory, f"gpushuffle-{spec.id}-{run_id}"),
+                offload=self.offload,
+                wait_timeout=parse_timedelta(config.get("memory.wait-timeout"), default="s") or 0,
+                describe=f"gpushuffle {spec.id} on {worker.address}",
+                host_sharers=budget.workers_on_host(worker.address, worker_for.values()),
+            )
         )
+        if holding is None:
+            self.store.hand_over(self)
+        self.buckets = recovery.fresh_buckets(mine)
+        self._bucket_of = dict.fromkeys(mine, 0)
+        self._adoption: asyncio.Future[None] | None = None
+        if spec.generation:
+            self._adoption = asyncio.ensure_future(self._adopt(holding, mine))
+        self._send_plan: recovery.SendPlan | None = None
+        self._planning = asyncio.Lock()
+        self._keep_on_fail = False
+        self._handed_over = False
         if memory.host.limit is not None:
             # Free pool blocks count against the machine like the store does.
             host_pool().bound_by(memory.host.limit)
@@ -199,8 +228,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         worker.stream_handlers.setdefault(
             RELEASE_FAILED_RUN, functools.partial(_release_failed_run, plugin)
         )
+        worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
+        worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
+        worker.handlers.setdefault(HELD, _held_handler(plugin))
         self._closing = asyncio.Event()
-        self._layout(worker_for, spec.npartitions)
+        self._layout(worker_for, spec.npartitions, spec.done)
         # A worker paused for its memory runs no task until that drops; what
         # the store holds in memory goes to disk meanwhile (ShardStore.shed_host).
         self._worker = worker
@@ -227,30 +259,72 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # closed store) and reports it; the watch only logs it here.
             logger.warning("%s: moving received shards to disk while paused failed: %r", self, e)
 
-    def _layout(self, worker_for: dict[int, str], npartitions: int) -> None:
-        """Order wanted partitions by destination worker.
+    def _layout(self, worker_for: dict[int, str], npartitions: int, done: frozenset[int]) -> None:
+        """Order wanted partitions by destination worker (``self.base_layout``).
 
-        ``self.rank[p]`` is partition ``p``'s position in that order (or
-        ``nranks`` if unwanted); worker ``w`` receives ranks
-        ``self.rank_range[w]``, i.e. partitions ``self.partitions_of[w]``.
+        A recovering run sends by :attr:`_send_plan` instead, once it knows
+        what its receivers hold.
         """
         by_worker: dict[str, list[int]] = {}
         for partition, address in sorted(worker_for.items()):
-            by_worker.setdefault(address, []).append(partition)
-        nranks = len(worker_for)
-        dtype = np.int16 if nranks < np.iinfo(np.int16).max else np.int32
-        rank = np.full(npartitions, nranks, dtype=dtype)
-        self.partitions_of: dict[str, np.ndarray] = {}
-        self.rank_range: dict[str, tuple[int, int]] = {}
-        start = 0
-        for address, partitions in by_worker.items():
-            stop = start + len(partitions)
-            rank[partitions] = np.arange(start, stop, dtype=dtype)
-            self.partitions_of[address] = np.asarray(partitions, dtype=np.int64)
-            self.rank_range[address] = (start, stop)
-            start = stop
-        self.rank = rank
-        self.nranks = nranks
+            if partition not in done:
+                by_worker.setdefault(address, []).append(partition)
+        self.base_layout = recovery.layout(
+            npartitions,
+            ((address, 0, np.asarray(p, dtype=np.int64)) for address, p in by_worker.items()),
+        )
+
+    async def _adopt(self, holding: recovery.Holding | None, mine: list[int]) -> None:
+        """Take over what the run before held here, and say what is wanted."""
+        self.buckets, self._bucket_of = await recovery.adopt(
+            holding, mine, self.generation, owner=self
+        )
+        self.received.update(self.store.receipt_keys())
+
+    async def _ready(self) -> None:
+        """Wait until this run's buckets are known (a recovering run's adoption)."""
+        if self._adoption is not None:
+            await self._adoption
+
+    async def _plan_sends(self) -> None:
+        """A recovering run's senders: ask each receiver what it holds, once."""
+        async with self._planning:
+            if self._send_plan is not None:
+                return
+            await self._ready()
+            receivers = sorted({a for a, _, _, _ in self.base_layout.groups})
+            peers = [a for a in receivers if a != self.local_address]
+            answers = await asyncio.gather(*(self._ask_held(a) for a in peers))
+            buckets = {
+                a: recovery.Buckets.from_message(m) for a, m in zip(peers, answers, strict=True)
+            }
+            if self.local_address in receivers:
+                buckets[self.local_address] = self.buckets
+            self._send_plan = recovery.SendPlan(self.spec.npartitions, buckets)
+
+    async def _ask_held(self, address: str) -> dict[str, Any]:
+        return await self._unless_closing(self._ask_held_until_closed(address))
+
+    async def _ask_held_until_closed(self, address: str) -> dict[str, Any]:
+        # Not distributed's retry(): a cancellation that comes as an attempt
+        # fails with an OSError is lost in asyncio.wait_for, and its backoff
+        # (up to 30 s) would keep a closed run's transfer task asking a
+        # worker that is gone; this loop looks at the run before each try.
+        delay = 0.05
+        for attempt in itertools.count():
+            self.raise_if_closed()
+            if self._closing.is_set():
+                raise ShuffleClosedError(f"{self} was closed while asking {address}")
+            call = self.rpc(address).gpushuffle_held(shuffle_id=self.id, run_id=self.run_id)
+            try:
+                result: dict[str, Any] = await asyncio.wait_for(call, self.send_timeout)
+                return result
+            except OSError:
+                if attempt >= self.RETRY_COUNT:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.RETRY_DELAY_MAX)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- transfer ---------------------------------------------------------
 
@@ -259,14 +333,18 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if self.transferred:
             raise RuntimeError(f"Cannot add more partitions to {self}")
         self.backend.validate(data, self.spec.meta, self.column, partition_id)
+        if self.generation:
+            sync(self._loop, self._plan_sends)
         with self._capture_metrics("foreground"):
             with (
                 context_meter.meter("p2p-shard-partition-noncpu"),
                 context_meter.meter("p2p-shard-partition-cpu", func=thread_time),
             ):
                 shards = self._shard_partition(data, partition_id)
-            local = shards.pop(self.local_address, None)
-            sync(self._loop, self._write, local, self._chunk(shards))
+            here = self.local_address
+            local = [shard for address, shard in shards if address == here]
+            remote = [(address, shard) for address, shard in shards if address != here]
+            sync(self._loop, self._write, local, self._chunk(remote))
         if self.link_backlog_s and self._remote_hosts:
             sync(self._loop, self._hold_while_a_link_is_behind)
         return self.run_id
@@ -298,13 +376,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         waiting = [*self._comm_buffer.sizes.items(), *self._lingering_bytes.items()]
         return links.seconds_behind(self._remote_hosts, waiting)
 
-    async def _write(self, local: Shard | None, remote: list[dict[str, Shard]]) -> None:
+    async def _write(self, local: list[Shard], remote: list[dict[str, Shard]]) -> None:
         if self._inputs_done_started:
             # Shards held back now would never be sent.
             raise RuntimeError(f"Cannot add more partitions to {self}")
-        if local is not None:
+        if local:
             # Shards for this worker skip serialization and the comm buffer.
-            await self._store([local])
+            await self._store(local)
         for round in remote:
             direct: dict[str, Shard] = {}
             for address, shard in round.items():
@@ -397,7 +475,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         )
         check_outputs_fit(sizes, verdict, overhead, where=f"{self.id} on {self.local_address}")
 
-    def _chunk(self, shards: dict[str, Shard]) -> list[dict[str, Shard]]:
+    def _chunk(self, shards: list[tuple[str, Shard]]) -> list[dict[str, Shard]]:
         """Cut remote shards into row ranges of at most ``message_bytes``.
 
         Each round of the result holds at most one chunk per worker, the
@@ -411,7 +489,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         (a split's, given back once sent).
         """
         rounds: list[dict[str, Shard]] = []
-        for address, shard in shards.items():
+        next_round: dict[str, int] = {}
+        for address, shard in shards:
             nrows = int(shard.offsets[-1])
             count = max(1, min(nrows, -(-shard.nbytes // self.message_bytes)))
             if self._lends_to(address):
@@ -422,58 +501,80 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     piece = shard
                 else:
                     table = self.backend.slice(shard.table, int(start), int(stop))
-                    piece = Shard(
-                        backend=shard.backend,
-                        input_partition=shard.input_partition,
-                        partitions=shard.partitions,
+                    piece = dataclasses.replace(
+                        shard,
                         offsets=np.clip(shard.offsets, start, stop) - start,
                         table=table,
                         nbytes=self.backend.nbytes(table),
                         chunk=chunk,
-                        sender=shard.sender,
+                        chunks=count,
                     )
-                if chunk == len(rounds):
+                round = next_round.get(address, 0)
+                next_round[address] = round + 1
+                if round == len(rounds):
                     rounds.append({})
-                rounds[chunk][address] = piece
+                rounds[round][address] = piece
         return rounds
 
-    def _shard_partition(self, data: Any, partition_id: int) -> dict[str, Shard]:  # type: ignore[override]
+    def _shard_partition(self, data: Any, partition_id: int) -> list[tuple[str, Shard]]:  # type: ignore[override]
         backend = self.backend
+        if self._send_plan is not None:
+            layout = self._send_plan.for_input(partition_id)
+            recovery.statistics.add(
+                inputs_split=bool(layout.groups), inputs_skipped=not layout.groups
+            )
+        else:
+            layout = self.base_layout
+        if not layout.groups:
+            return []
         # One table per destination, each in its own buffers: what goes to
         # another worker is freed once sent, whatever the local shard keeps.
-        ranges = list(self.rank_range.items())
+        addresses = [address for address, _, _, _ in layout.groups]
+        groups = [ranks for _, _, _, ranks in layout.groups]
         # The local group's rows may stay in the input, which the worker
-        # holds anyway (a persisted frame): no copy, nothing to store.
-        addresses = [address for address, _ in ranges]
-        groups = [r for _, r in ranges]
+        # holds anyway (a persisted frame): no copy, nothing to store.  A
+        # recovering run may send a worker several groups: none borrows.
         local = addresses.index(self.local_address) if self.local_address in addresses else None
+        if addresses.count(self.local_address) > 1:
+            local = None
         borrow = local if self.borrow_inputs and backend.borrows else None
         with copies.timed("split"):
             tables, offsets = backend.split_groups(
                 data,
                 self.column,
-                self.rank,
-                self.nranks,
+                layout.rank,
+                layout.nranks,
                 self.keep_index,
                 groups,
                 borrow=borrow,
                 local=local,
             )
-        out: dict[str, Shard] = {}
-        for (address, (first, last)), view in zip(ranges, tables, strict=True):
+        out: list[tuple[str, Shard]] = []
+        for (address, bucket, partitions, (first, last)), view in zip(
+            layout.groups, tables, strict=True
+        ):
             start, stop = int(offsets[first]), int(offsets[last])
             if stop == start:
                 continue
-            out[address] = Shard(
-                backend=backend.name,
-                input_partition=partition_id,
-                partitions=self.partitions_of[address],
-                offsets=offsets[first : last + 1] - start,
-                table=view,
-                nbytes=backend.nbytes(view),
-                sender=self.local_address,
+            out.append(
+                (
+                    address,
+                    Shard(
+                        backend=backend.name,
+                        input_partition=partition_id,
+                        partitions=partitions,
+                        offsets=offsets[first : last + 1] - start,
+                        table=view,
+                        nbytes=backend.nbytes(view),
+                        sender=self.local_address,
+                        bucket=bucket,
+                    ),
+                )
             )
-        context_meter.digest_metric("p2p-shards", sum(s.nbytes for s in out.values()), "bytes")
+        nbytes = sum(s.nbytes for _, s in out)
+        if self.generation:
+            recovery.statistics.add(bytes_resent=nbytes)
+        context_meter.digest_metric("p2p-shards", nbytes, "bytes")
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
 
@@ -657,7 +758,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 for shard in data:
                     # One already stored (a retried send) is not read again:
                     # its sender may have freed what it lent.
-                    if (shard.input_partition, shard.chunk) not in self.received:
+                    if _key(shard) not in self.received:
                         read_lent(shard, _receive_buffer)
             except samehost.LendRefused as e:
                 statistics.add(reads_refused=1)
@@ -668,7 +769,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def _decode(self, data: list[Shard]) -> None:
         """Decompress received shards (a shard already stored, sent again, is not)."""
-        fresh = [s for s in data if (s.input_partition, s.chunk) not in self.received]
+        fresh = [s for s in data if _key(s) not in self.received]
         try:
             await self.offload(_decode_all, fresh)
         except ShuffleCodecError as e:
@@ -685,15 +786,24 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         await self._store(data)
 
     async def _store(self, shards: list[Shard]) -> None:
+        await self._ready()
         for shard in shards:
-            # An input partition re-sent (a retried transfer task) is ignored.
-            key = (shard.input_partition, shard.chunk)
+            # An input partition re-sent (a retried transfer task, a run
+            # after a worker's loss) is ignored.
+            key = _key(shard)
             if key in self.received:
                 continue
+            if shard.bucket not in self.buckets.partitions:
+                self._exception = P2PConsistencyError(
+                    f"{self}: a shard of input {shard.input_partition} from "
+                    f"{shard.sender or 'a peer'} is for bucket {shard.bucket}, which this "
+                    f"worker does not have ({sorted(self.buckets.partitions)})"
+                )
+                raise self._exception
             self.received.add(key)
             self.total_recvd += shard.nbytes
             try:
-                await self.store.put(shard)
+                await self.store.put(shard, owner=self)
             except ShuffleClosedError:
                 # The run was closed meanwhile; it keeps the reason it has.
                 raise
@@ -712,8 +822,16 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # cost as much as building the output; here the check is made in
         # the task's thread and the loop is asked only to reschedule.
         self.raise_if_closed()
+        if partition_id in self.spec.done:
+            # Built before a worker left, and needed again since (its result
+            # was lost): nobody sent rows for it in this run.  The scheduler
+            # starts another run in which it is not done.
+            sync(self._loop, self._restart_for, partition_id)
+            raise ShuffleClosedError(f"{self}: output {partition_id} needs another run")
         if self._get_assigned_worker(partition_id) != self.local_address:
             sync(self._loop, self._ensure_output_worker, partition_id, key)  # raises Reschedule
+        if self._adoption is not None and not self._adoption.done():
+            sync(self._loop, self._ready)
         if not self.transferred:
             raise RuntimeError("`get_output_partition` called before barrier task")
         with (
@@ -752,6 +870,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             return self.backend.empty(self.meta_out)
         with copies.timed("unpack"):
             return self.backend.assemble(tables, nrows, self.meta_out, self.keep_index)
+
+    async def _restart_for(self, partition_id: int) -> None:
+        restart = getattr(self.scheduler, RESTART_FOR_OUTPUT)
+        await restart(id=self.id, run_id=self.run_id, partition=partition_id)
 
     def _get_assigned_worker(self, i: int) -> str:
         return self.worker_for[i]
@@ -814,11 +936,30 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         closes it (``_distributed.ReleaseFailedRuns``)."""
         if self.closed:
             return
+        self._keep_on_fail = False
         if self._exception is None:
             self.fail(
                 P2PConsistencyError(f"{self} failed: the shuffle's barrier erred on the scheduler")
             )
         self._release()
+
+    def fail(self, exception: Exception) -> None:
+        # A run failed by distributed because a peer left, after the
+        # scheduler said to keep it (KEEP_RUN): its store waits for the next
+        # run of the shuffle here (partial recovery) instead of being deleted.
+        own = self._exception is not None or self.closed
+        super().fail(exception)
+        if self._keep_on_fail and not own and not self._handed_over and not self.store.closed:
+            self._handed_over = True
+            self.store.hand_over(None)
+            recovery.release_on_close(self._worker)
+            recovery.holdings.hand_over(
+                self.local_address,
+                self.id,
+                recovery.Holding(run_id=self.run_id, store=self.store, bucket_of=self._bucket_of),
+                asyncio.get_running_loop(),
+                parse_timedelta(config.get("recovery-hold"), default="s") or 0,
+            )
 
     def _release(self) -> None:
         self._closing.set()
@@ -826,7 +967,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._lingering.clear()
         self._lingering_bytes.clear()
         self._lingering_total = 0
-        self.store.close()
+        if self._adoption is not None and not self._adoption.done():
+            self._adoption.cancel()
+        if not self._handed_over:
+            self.store.close()
 
     async def close(self) -> None:
         # Release received shards and spill files first: the base class then
@@ -840,6 +984,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def deserialize(self, buffer: Any) -> Any:
         raise NotImplementedError("gpushuffle keeps received shards in its own store")
+
+
+def _key(shard: Shard) -> tuple[int, int, int]:
+    """What identifies a received shard: its input partition, bucket and chunk."""
+    return (shard.input_partition, shard.bucket, shard.chunk)
 
 
 def _encode_all(shards: list[Shard], compress: Any, device_frames: bool) -> None:
@@ -896,6 +1045,12 @@ class GPUShuffleSpec(ShuffleSpec[int]):
     parts_out: tuple[int, ...] | int
     ignore_index: bool
     borrow_inputs: bool = False
+    #: ``gpushuffle.recovery`` is ``partial`` (:mod:`gpushuffle.engine.recovery`).
+    partial_recovery: bool = False
+    #: Set by the scheduler for a run after a worker's loss: how many runs
+    #: came before, and the output partitions built already (kept).
+    generation: int = 0
+    done: frozenset[int] = frozenset()
 
     @property
     def output_partitions(self) -> Generator[int]:
@@ -907,10 +1062,30 @@ class GPUShuffleSpec(ShuffleSpec[int]):
         return workers[len(workers) * partition // self.npartitions]
 
     def create_new_run(self, worker_for: dict[int, str], span_id: str | None) -> Any:
-        state = super().create_new_run(worker_for=worker_for, span_id=span_id)
         from gpushuffle.engine.graph import output_partition_of
 
-        pin_output_tasks(self.id, worker_for, output_partition_of)
+        spec = self
+        if self.partial_recovery:
+            previous = previous_run(self.id, output_partition_of)
+            plan = (
+                recovery.plan_run(
+                    self.id,
+                    self.output_partitions,
+                    previous.worker_for,
+                    previous.alive,
+                    previous.built,
+                )
+                if previous is not None
+                else None
+            )
+            if previous is not None and plan is not None:
+                worker_for = plan.worker_for
+                spec = dataclasses.replace(
+                    self, generation=previous.spec.generation + 1, done=plan.done
+                )
+        state = ShuffleSpec.create_new_run(spec, worker_for=worker_for, span_id=span_id)
+        pending = {p: w for p, w in worker_for.items() if p not in spec.done}
+        pin_output_tasks(self.id, pending, output_partition_of)
         return state
 
     def create_run_on_worker(
@@ -927,6 +1102,35 @@ class GPUShuffleSpec(ShuffleSpec[int]):
             span_id=span_id,
             plugin=plugin,
         )
+
+
+def _keep_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
+    """The worker's :data:`~gpushuffle._distributed.KEEP_RUN` handler."""
+    run = plugin.shuffle_runs._active_runs.get(shuffle_id)  # type: ignore[call-overload]
+    if isinstance(run, GPUShuffleRun) and run.run_id == run_id:
+        run._keep_on_fail = True
+
+
+def _drop_kept(address: str, shuffle_id: str) -> None:
+    """The worker's :data:`~gpushuffle._distributed.DROP_KEPT` handler."""
+    holding = recovery.holdings.take(address, shuffle_id)
+    if holding is not None:
+        holding.store.close()
+
+
+def _held_handler(plugin: ShuffleWorkerPlugin) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """The worker's :data:`~gpushuffle._distributed.HELD` handler (a named
+    function: distributed's comm handlers log their ``__name__``)."""
+
+    async def gpushuffle_held(shuffle_id: str, run_id: int) -> dict[str, Any]:
+        # This worker's buckets in run ``run_id``, once it knows them.
+        run = await plugin.shuffle_runs.get_with_run_id(shuffle_id, run_id)  # type: ignore[arg-type]
+        if not isinstance(run, GPUShuffleRun):
+            raise TypeError(f"{run} is not a gpushuffle run")
+        await run._ready()
+        return run.buckets.as_message()
+
+    return gpushuffle_held
 
 
 def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:

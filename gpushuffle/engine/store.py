@@ -194,6 +194,13 @@ class ShardStore:
         self._evicting = asyncio.Lock()
         self._closed = False
         self._unpacking = False
+        #: Which run may put: a run that handed the store over (partial
+        #: recovery) must not add rows the adopting run does not know of.
+        self._owner: object | None = None
+        #: (input partition, bucket) -> [chunks of the shard, chunks held].
+        self._receipts: dict[tuple[int, int], tuple[int, set[int]]] = {}
+        #: Output partitions an unpack has read (their pieces are gone).
+        self._read: set[int] = set()
         self.statistics = StoreStatistics()
         # Free pool blocks stay while a run is open, for its next split or
         # unpack; the last run closing starts the pool's countdown to release.
@@ -202,8 +209,12 @@ class ShardStore:
 
     # -- receiving (event loop) --------------------------------------------
 
-    async def put(self, shard: Shard) -> None:
-        """Store a received or local shard, then get back within budget."""
+    async def put(self, shard: Shard, owner: object | None = None) -> None:
+        """Store a received or local shard, then get back within budget.
+
+        ``owner``: the run putting it; a store handed over to another run
+        refuses it (:class:`ShuffleClosedError`).
+        """
         total_rows = int(shard.offsets[-1] - shard.offsets[0])
         if not total_rows:
             return
@@ -243,7 +254,6 @@ class ShardStore:
                 group=group,
             )
             group.pieces.append(piece)
-            self._pieces.setdefault(partition, []).append(piece)
         group.live = len(group.pieces)
         # One shard at a time: a receiver waits here while an earlier one
         # makes room, so the store holds at most its budget plus one shard
@@ -258,7 +268,14 @@ class ShardStore:
                 # A closed store (its run failed or was restarted after a
                 # worker left) must not take bytes that nobody will release.
                 self._raise_if_closed()
+                if owner is not self._owner:
+                    raise ShuffleClosedError(f"{self._describe} was handed over to another run")
                 self._add_group(group)
+                for piece in group.pieces:
+                    self._pieces.setdefault(piece.partition, []).append(piece)
+                self._receipts.setdefault(
+                    (shard.input_partition, shard.bucket), (shard.chunks, set())
+                )[1].add(shard.chunk)
                 if group.borrowed is not None:
                     self._borrowed[group.key] = group
                     self.statistics.bytes_borrowed += shard.nbytes
@@ -528,6 +545,7 @@ class ShardStore:
         """
         with self._lock:
             pieces = self._pieces.pop(partition, [])
+            self._read.add(partition)
             for piece in pieces:
                 piece.reading = True
             self.statistics.partitions_read += 1
@@ -602,6 +620,89 @@ class ShardStore:
             if piece.group is not None:
                 group, piece.group = piece.group, None
                 self._unref_locked(group)
+
+    # -- partial recovery (gpushuffle.engine.recovery) -----------------------
+
+    def hand_over(self, owner: object | None = None) -> None:
+        """From now on only ``owner``'s puts are taken (``None``: nobody's,
+        while the store waits for the run that adopts it)."""
+        with self._lock:
+            self._owner = owner
+
+    async def adopt(
+        self,
+        keep: set[int],
+        bucket_of: dict[int, int],
+        owner: object,
+        offload: Callable[..., Awaitable[Any]],
+        describe: str,
+    ) -> tuple[dict[int, frozenset[int]], set[int], int, int]:
+        """Make this store ``owner``'s (files written by ``offload``, errors
+        naming ``describe``), keeping the pieces of ``keep``.
+
+        Dropped: partitions not kept, and every piece of an input whose shard
+        for a bucket did not arrive whole (``bucket_of`` says which partitions
+        a bucket has).  Returns the inputs each bucket holds whole, the kept
+        partitions an unpack had read (they hold nothing now), the bytes kept
+        and those dropped.
+        """
+        async with self._evicting:  # no move down or put half done
+            with self._lock:
+                self._raise_if_closed()
+                partial = {
+                    key for key, (expected, held) in self._receipts.items() if len(held) < expected
+                }
+                partial_inputs: dict[int, set[int]] = {}
+                for input_partition, bucket in partial:
+                    partial_inputs.setdefault(bucket, set()).add(input_partition)
+                    del self._receipts[(input_partition, bucket)]
+                dropped = 0
+                for partition in list(self._pieces):
+                    inputs = partial_inputs.get(bucket_of.get(partition, -1), set())
+                    if partition not in keep:
+                        remove = self._pieces.pop(partition)
+                        kept = []
+                    else:
+                        pieces = self._pieces[partition]
+                        remove = [p for p in pieces if p.input_partition in inputs]
+                        kept = [p for p in pieces if p.input_partition not in inputs]
+                        self._pieces[partition] = kept
+                    for piece in remove:
+                        dropped += piece.nbytes
+                        self._drop_locked(piece)
+                    if not kept:
+                        self._pieces.pop(partition, None)
+                complete: dict[int, set[int]] = {}
+                for input_partition, held_bucket in self._receipts:
+                    complete.setdefault(held_bucket, set()).add(input_partition)
+                emptied = keep & self._read
+                self._read.clear()
+                kept_bytes = sum(p.nbytes for ps in self._pieces.values() for p in ps)
+                self._owner = owner
+                self._offload = offload
+                self._describe = describe
+                unpacked, self._unpacking = self._unpacking, False
+            if unpacked:
+                host_pool().uncount_unpack()
+        return {b: frozenset(c) for b, c in complete.items()}, emptied, kept_bytes, dropped
+
+    def receipt_keys(self) -> set[tuple[int, int, int]]:
+        """(input partition, bucket, chunk) of every shard this store took."""
+        with self._lock:
+            return {
+                (input_partition, bucket, chunk)
+                for (input_partition, bucket), (_, held) in self._receipts.items()
+                for chunk in held
+            }
+
+    def _drop_locked(self, piece: _Piece) -> None:
+        piece.table = None
+        if piece.disk is not None:
+            self._charge(DISK, -piece.nbytes)
+            piece.disk = None
+        if piece.group is not None:
+            group, piece.group = piece.group, None
+            self._unref_locked(group)
 
     # -- accounting ---------------------------------------------------------
 

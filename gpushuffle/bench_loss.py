@@ -1,0 +1,273 @@
+"""What losing a worker costs a shuffle: ``gpushuffle bench --kill-at`` / ``--kill-every``.
+
+Each method runs on a fresh evenly persisted input, first without a fault
+(its wall time ``T``), then again while worker processes are SIGKILLed
+(their Nannies start new ones): once at ``kill_at x T``, or every
+``kill_every x T`` for as long as the run lasts.  Every result is checked
+against dask's ``tasks`` shuffle of the same input (rows and sums per output
+partition).  ``gpushuffle`` runs with ``gpushuffle.recovery: partial``,
+``gpushuffle-restart`` with ``restart`` (what ``p2p`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Methods of the loss benchmark: name -> (shuffle method, configuration).
+LOSS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpushuffle": ("gpushuffle", {"gpushuffle.recovery": "partial"}),
+    "gpushuffle-restart": ("gpushuffle", {"gpushuffle.recovery": "restart"}),
+    "p2p": ("p2p", {}),
+}
+
+
+@dataclass
+class LossResult:
+    method: str
+    repeat: int
+    no_fault_s: float
+    #: Wall time of the run with losses; None if it did not finish in time.
+    fault_s: float | None
+    kills: int
+    #: Whether both runs' outputs equal the ``tasks`` shuffle's.
+    correct: bool
+    error: str | None = None
+    #: gpushuffle's recovery counters summed over the workers that survived
+    #: (``recovery_...``; a killed worker's are gone with it).
+    recovery: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.fault_s is None else self.fault_s / self.no_fault_s
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _recovery_counters() -> dict[str, int]:
+    from gpushuffle.engine import recovery
+
+    return recovery.statistics.as_dict()
+
+
+class _Killer:
+    """SIGKILLs worker processes of ``client`` at the times it is given."""
+
+    def __init__(self, client: Any, seed: int) -> None:
+        self.client = client
+        self.random = random.Random(seed)
+        self.kills = 0
+
+    def kill_one(self) -> None:
+        pids = {
+            a: pid
+            for a, pid in self.client.run(_pid, on_error="return").items()
+            if isinstance(pid, int)
+        }
+        address = self.random.choice(sorted(pids))
+        os.kill(pids[address], signal.SIGKILL)
+        self.kills += 1
+
+    def start(self, first_s: float, every_s: float | None, done: threading.Event) -> None:
+        def loop() -> None:
+            wait = first_s
+            while not done.wait(wait):
+                # A worker restarting (no pid yet): the next interval kills.
+                with contextlib.suppress(Exception):
+                    self.kill_one()
+                if every_s is None:
+                    return
+                wait = every_s
+
+        threading.Thread(target=loop, daemon=True, name="gpushuffle-killer").start()
+
+
+def run_loss_benchmark(
+    *,
+    rows: int = 8_000_000,
+    columns: int = 8,
+    partitions: int = 32,
+    workers: int = 4,
+    methods: Sequence[str] = ("gpushuffle", "p2p"),
+    repeat: int = 4,
+    kill_at: float | None = 0.7,
+    kill_every: float | None = None,
+    give_up_after: float = 10.0,
+    dtypes: str = "numeric",
+    seed: int = 0,
+    on_result: Callable[[LossResult], None] | None = None,
+) -> tuple[list[LossResult], dict[str, Any]]:
+    """Each method ``repeat`` times: a run without a fault, then one with
+    losses; a run with losses that takes more than ``give_up_after`` times
+    the run without is recorded as not finished."""
+    import dask
+    from distributed import Client, wait
+
+    import gpushuffle  # noqa: F401  (registers the method)
+    from gpushuffle.bench import (
+        _digest,
+        _output_summary,
+        benchmark_cluster,
+        machine_description,
+        persisted_evenly,
+        versions,
+    )
+
+    unknown = [m for m in methods if m not in LOSS_METHODS]
+    if unknown:
+        raise ValueError(f"no loss benchmark for {unknown}: choose from {sorted(LOSS_METHODS)}")
+    if (kill_at is None) == (kill_every is None):
+        raise ValueError("give one of kill_at (one loss) and kill_every (losses all along)")
+    results: list[LossResult] = []
+    with (
+        dask.config.set({"distributed.worker.memory.terminate": False}),
+        benchmark_cluster(workers, 1, quiet=True) as cluster,
+        Client(cluster) as client,
+    ):
+
+        def shuffled(df: Any, method: str) -> Any:
+            shuffle_method, _ = LOSS_METHODS.get(method, (method, {}))
+            out = df.shuffle(on="key", shuffle_method=shuffle_method)
+            return out.map_partitions(_output_summary, meta=_output_summary(df._meta))
+
+        def settings(method: str) -> Any:
+            # Read as the graph is built: by compute(), not by shuffle().
+            return dask.config.set(LOSS_METHODS.get(method, (method, {}))[1])
+
+        def fresh_input() -> Any:
+            client.wait_for_workers(workers, timeout=300)
+            df = persisted_evenly(client, rows, partitions, columns, dtypes)
+            wait(df)
+            return df
+
+        df = fresh_input()
+        truth = _digest(shuffled(df, "tasks").compute())
+        killer = _Killer(client, seed)
+        for method in methods:
+            for r in range(repeat):
+                df = fresh_input()
+                start = time.perf_counter()
+                with settings(method):
+                    clean = _digest(shuffled(df, method).compute())
+                no_fault = time.perf_counter() - start
+                before = _counters(client)
+                kills_before = killer.kills
+                done = threading.Event()
+                with settings(method):
+                    future = client.compute(shuffled(df, method))
+                start = time.perf_counter()
+                first = (kill_at if kill_at is not None else kill_every) or 0.0
+                killer.start(
+                    first * no_fault, None if kill_every is None else kill_every * no_fault, done
+                )
+                error = None
+                fault_s: float | None = None
+                try:
+                    got = _digest(future.result(timeout=give_up_after * no_fault))
+                    fault_s = time.perf_counter() - start
+                except TimeoutError:
+                    got, error = None, f"not finished in {give_up_after:g}x"
+                except Exception as e:
+                    got, error = None, f"{type(e).__name__}: {e}"[:300]
+                finally:
+                    done.set()
+                    future.cancel()
+                client.wait_for_workers(workers, timeout=300)
+                after = _counters(client)
+                result = LossResult(
+                    method=method,
+                    repeat=r,
+                    no_fault_s=no_fault,
+                    fault_s=fault_s,
+                    kills=killer.kills - kills_before,
+                    correct=clean == truth and (got is None or got == truth),
+                    error=error,
+                    recovery={k: after.get(k, 0) - before.get(k, 0) for k in after},
+                )
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
+                del df
+    context = {
+        "rows": rows,
+        "columns": columns,
+        "dtypes": dtypes,
+        "partitions": partitions,
+        "workers": workers,
+        "kill_at": kill_at,
+        "kill_every": kill_every,
+        "give_up_after": give_up_after,
+        "machine": machine_description(),
+        "versions": versions(),
+    }
+    return results, context
+
+
+def _counters(client: Any) -> dict[str, int]:
+    """The workers' recovery counters, summed (a worker restarting is left out)."""
+    rows = client.run(_recovery_counters, on_error="return").values()
+    return sum_counters(row for row in rows if isinstance(row, dict))
+
+
+def sum_counters(rows: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for row in rows:
+        for key, value in row.items():
+            total[key] = total.get(key, 0) + int(value)
+    return total
+
+
+def summarize_losses(results: Sequence[LossResult]) -> list[dict[str, Any]]:
+    """Per method: median wall without and with losses, their ratio, how many
+    runs finished and were right."""
+    rows = []
+    for method in dict.fromkeys(r.method for r in results):
+        mine = [r for r in results if r.method == method]
+        finished = [r for r in mine if r.fault_s is not None]
+        rows.append(
+            {
+                "method": method,
+                "runs": len(mine),
+                "finished": len(finished),
+                "correct": sum(r.correct for r in mine),
+                "kills": sum(r.kills for r in mine),
+                "no_fault_s": statistics.median(r.no_fault_s for r in mine),
+                "fault_s": (
+                    statistics.median(r.fault_s for r in finished if r.fault_s is not None)
+                    if finished
+                    else None
+                ),
+                "ratio": (
+                    statistics.median(r.ratio for r in finished if r.ratio is not None)
+                    if finished
+                    else None
+                ),
+            }
+        )
+    return rows
+
+
+def format_losses(summary: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        f"{'method':<20}{'no fault s':>12}{'with loss s':>13}{'ratio':>8}"
+        f"{'finished':>10}{'right':>7}{'kills':>7}"
+    ]
+    for row in summary:
+        fault = "-" if row["fault_s"] is None else f"{row['fault_s']:.2f}"
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+        lines.append(
+            f"{row['method']:<20}{row['no_fault_s']:>12.2f}{fault:>13}{ratio:>8}"
+            f"{row['finished']:>6}/{row['runs']:<3}{row['correct']:>5}/{row['runs']:<1}"
+            f"{row['kills']:>7}"
+        )
+    return "\n".join(lines)

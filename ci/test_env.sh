@@ -42,4 +42,4 @@ PY
 # (tests/test_hosts.py) and the notebooks (also executed by the docs build)
 # run once, in the main suite.
 bash ci/pytest_crash_report.sh "$venv/bin/python" -m pytest -p no:cacheprovider \
-    -m "not scale and not hosts and not notebook" "$@"
+    -m "not scale and not hosts and not notebook and not recovery" "$@"

@@ -288,6 +288,15 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
                 recs.pop(dependent.key, None)
         return recs
 
+    def _recovers(self, shuffle_id: ShuffleId) -> bool:
+        """Whether ``shuffle_id`` is a gpushuffle shuffle that recovers
+        partially (only its workers know gpushuffle's stream ops: another
+        op breaks a worker's stream with the scheduler)."""
+        return any(
+            getattr(run.run_spec.spec, "partial_recovery", False)
+            for run in self._shuffles.get(shuffle_id, ())
+        )
+
     def _drop_kept(self, shuffle_id: ShuffleId) -> None:
         """Tell the workers that ran ``shuffle_id`` to release what they kept
         for its next run (:data:`DROP_KEPT`: they know the op)."""
@@ -314,7 +323,7 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
             # here, before remove_worker is called.
             if (shuffle := self.active_shuffles.get(shuffle_id)) is not None:
                 self._keep_if_a_worker_left(shuffle)
-        elif shuffle_id and finish in ("erred", "forgotten") and shuffle_id in self._shuffles:
+        elif shuffle_id and finish in ("erred", "forgotten") and self._recovers(shuffle_id):
             # No run will follow: what survivors kept for one goes now.
             self._drop_kept(shuffle_id)
         super().transition(key, start, finish, *args, stimulus_id=stimulus_id, **kwargs)

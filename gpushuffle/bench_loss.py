@@ -144,8 +144,17 @@ def run_loss_benchmark(
             # Read as the graph is built: by compute(), not by shuffle().
             return dask.config.set(LOSS_METHODS.get(method, (method, {}))[1])
 
+        def all_workers_back() -> None:
+            # A Nanny's restart has been seen to hang here (no new process):
+            # the cluster starts over then, rather than the benchmark.
+            try:
+                client.wait_for_workers(workers, timeout=60)
+            except TimeoutError:
+                client.restart(wait_for_workers=True, timeout=300)
+                client.wait_for_workers(workers, timeout=300)
+
         def fresh_input() -> Any:
-            client.wait_for_workers(workers, timeout=300)
+            all_workers_back()
             df = persisted_evenly(client, rows, partitions, columns, dtypes)
             wait(df)
             return df
@@ -182,7 +191,7 @@ def run_loss_benchmark(
                 finally:
                     done.set()
                     future.cancel()
-                client.wait_for_workers(workers, timeout=300)
+                all_workers_back()
                 after = _counters(client)
                 result = LossResult(
                     method=method,

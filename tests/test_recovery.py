@@ -17,7 +17,7 @@ import dask
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Nanny
+from distributed import Nanny, Worker
 from faults import (
     TRANSFER,
     UNPACK,
@@ -25,6 +25,7 @@ from faults import (
     assert_workers_clean,
     cluster_test,
     count_tasks,
+    frame,
     gpushuffled,
     make_part,
     run_ids,
@@ -170,6 +171,7 @@ def _last_spec(s: Any, shuffle_id: str) -> Any:
 
 
 @pytest.mark.parametrize("budget", ["memory", "spill"])
+@pytest.mark.recovery
 @cluster_test(n_workers=3, config=PARTIAL)
 async def test_a_worker_closed_mid_transfer_costs_only_its_share(c, s, a, b, w3, budget):
     expected = truth(NIN, ROWS, NOUT)
@@ -202,6 +204,7 @@ async def test_a_worker_closed_mid_transfer_costs_only_its_share(c, s, a, b, w3,
 
 
 @pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.recovery
 @cluster_test(n_workers=2, config=PARTIAL)
 async def test_a_worker_crashed_mid_transfer_is_recovered_exactly_once(c, s, a, b, chunked):
     """A real process killed; with small messages many inputs are half sent."""
@@ -224,6 +227,7 @@ async def test_a_worker_crashed_mid_transfer_is_recovered_exactly_once(c, s, a, 
 
 
 @pytest.mark.parametrize("two", [False, True])
+@pytest.mark.recovery
 @cluster_test(n_workers=4, config=PARTIAL)
 async def test_workers_lost_together_or_during_a_recovery(c, s, a, b, w3, w4, two):
     expected = truth(NIN, ROWS, NOUT)
@@ -244,6 +248,7 @@ async def test_workers_lost_together_or_during_a_recovery(c, s, a, b, w3, w4, tw
 
 
 @pytest.mark.parametrize("rows", [ROWS])
+@pytest.mark.recovery
 @cluster_test(n_workers=3, config=PARTIAL, timeout=90)
 async def test_outputs_built_before_a_loss_are_kept(c, s, a, b, w3, rows):
     expected = truth(NIN, rows, NOUT)
@@ -268,6 +273,7 @@ async def test_outputs_built_before_a_loss_are_kept(c, s, a, b, w3, rows):
     await finish(c, s)
 
 
+@pytest.mark.recovery
 @cluster_test(n_workers=1, config=PARTIAL, timeout=90)
 async def test_a_crash_during_the_unpack_rebuilds_only_the_lost_outputs(c, s, a):
     expected = truth(NIN, ROWS, NOUT)
@@ -284,3 +290,20 @@ async def test_a_crash_during_the_unpack_rebuilds_only_the_lost_outputs(c, s, a)
         await wait_for_restart(s, n, crashed)
         await assert_workers_clean(c)
     await finish(c, s)
+
+
+@pytest.mark.recovery
+@cluster_test(n_workers=1, config=PARTIAL)
+async def test_other_shuffles_send_no_gpushuffle_op_to_workers(c, s, a):
+    """The recovering scheduler plugin sends its stream ops only to the
+    workers of gpushuffle's partial shuffles: another worker does not know
+    them, and an unknown op breaks its stream with the scheduler."""
+    await c.gather(c.compute(gpushuffled(8, 1000, 4).to_delayed()))  # installs the plugin
+    async with Worker(s.address, nthreads=1) as w:
+        out = frame(8, 1000).shuffle("key", npartitions=4, shuffle_method="p2p")
+        parts = await c.gather(c.compute(out.to_delayed()))
+        assert sum(len(p) for p in parts) == 8000
+        del parts, out
+        await asyncio.sleep(1)  # the shuffle is forgotten meanwhile
+        assert w.address in s.workers and w.status.name == "running"
+        assert w.batched_stream is not None and not w.batched_stream.comm.closed()

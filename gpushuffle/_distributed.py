@@ -378,6 +378,10 @@ class PreviousRun:
     alive: frozenset[str]
     #: Output partitions whose tasks are in memory (built and kept).
     built: frozenset[int]
+    #: Whether the shuffle shares its output tasks with another active one
+    #: (a join's other side): distributed then aligned the new run's
+    #: mapping with that one's, which must stand.
+    aligned: bool = False
 
 
 def previous_run(
@@ -406,7 +410,14 @@ def previous_run(
                 partition = partition_of(ts.run_spec)
                 if partition is not None:
                     built.add(partition)
+        aligned = any(
+            (other := id_from_key(dependency.key)) not in (None, shuffle_id)
+            and other in plugin.active_shuffles
+            for dependent in barrier.dependents
+            for dependency in dependent.dependencies
+        )
         return PreviousRun(
+            aligned=aligned,
             worker_for=dict(last.run_spec.worker_for),
             spec=last.run_spec.spec,
             alive=frozenset(scheduler.workers),

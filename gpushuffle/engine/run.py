@@ -1079,7 +1079,11 @@ class GPUShuffleSpec(ShuffleSpec[int]):
                 else None
             )
             if previous is not None and plan is not None:
-                worker_for = plan.worker_for
+                # A join's second side takes the mapping distributed aligned
+                # with the first side's (already recovering): adopting stores
+                # drop what moved away from their worker.
+                if not previous.aligned:
+                    worker_for = plan.worker_for
                 spec = dataclasses.replace(
                     self, generation=previous.spec.generation + 1, done=plan.done
                 )

@@ -613,13 +613,7 @@ class ShardStore:
             if not piece.reading:
                 return
             piece.reading = False
-            piece.table = None
-            if piece.disk is not None:
-                self._charge(DISK, -piece.nbytes)
-                piece.disk = None
-            if piece.group is not None:
-                group, piece.group = piece.group, None
-                self._unref_locked(group)
+            self._drop_locked(piece)
 
     # -- partial recovery (gpushuffle.engine.recovery) -----------------------
 
@@ -696,6 +690,7 @@ class ShardStore:
             }
 
     def _drop_locked(self, piece: _Piece) -> None:
+        """Release ``piece``'s table, spill-file bytes and share of its group."""
         piece.table = None
         if piece.disk is not None:
             self._charge(DISK, -piece.nbytes)

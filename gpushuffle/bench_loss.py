@@ -12,6 +12,7 @@ partition).  ``gpushuffle`` runs with ``gpushuffle.recovery: partial``,
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 #: Methods of the loss benchmark: name -> (shuffle method, configuration).
 LOSS_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -130,7 +133,16 @@ def run_loss_benchmark(
         raise ValueError("give one of kill_at (one loss) and kill_every (losses all along)")
     results: list[LossResult] = []
     with (
-        dask.config.set({"distributed.worker.memory.terminate": False}),
+        dask.config.set(
+            {
+                "distributed.worker.memory.terminate": False,
+                # A LocalCluster closes a Nanny whose worker has not come back
+                # within this (15 s by default): after a burst of kills every
+                # 0.5x, all four replacements were seen to miss it (restart
+                # and partial alike; cause not found), leaving no workers.
+                "distributed.deploy.lost-worker-timeout": "120s",
+            }
+        ),
         benchmark_cluster(workers, 1, quiet=True) as cluster,
         Client(cluster) as client,
     ):
@@ -145,12 +157,13 @@ def run_loss_benchmark(
             return dask.config.set(LOSS_METHODS.get(method, (method, {}))[1])
 
         def all_workers_back() -> None:
-            # A Nanny's restart has been seen to hang here (no new process):
-            # the cluster starts over then, rather than the benchmark.
+            # Workers that do not come back (see lost-worker-timeout above)
+            # are replaced by new Nannies, rather than the benchmark failing.
             try:
                 client.wait_for_workers(workers, timeout=60)
             except TimeoutError:
-                client.restart(wait_for_workers=True, timeout=300)
+                logger.warning("workers did not come back after the kills: starting new ones")
+                cluster.scale(workers)
                 client.wait_for_workers(workers, timeout=300)
 
         def fresh_input() -> Any:

@@ -88,11 +88,13 @@ async def finish(c: Any, s: Any) -> None:
 # -- closed workers -----------------------------------------------------------
 
 
+# Both recovery modes: partial is the default, restart (p2p's way) stays.
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)
-async def test_closed_worker_during_transfer(c, s, a, b, budget):
+async def test_closed_worker_during_transfer(c, s, a, b, budget, recovery):
     expected = truth(NIN, ROWS, NOUT)
-    with dask.config.set(settings(budget)):
+    with dask.config.set({**settings(budget), "gpushuffle.recovery": recovery}):
         futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
         shuffle_id = await wait_for_shuffle(s)
         await wait_for_tasks(s, TRANSFER, "memory", 1, b.address)

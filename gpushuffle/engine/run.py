@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -26,7 +27,6 @@ from distributed.comm import get_address_host
 from distributed.core import ErrorMessage, OKMessage, Status
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
-from distributed.utils_comm import retry
 from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
@@ -303,27 +303,42 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             self._send_plan = recovery.SendPlan(self.spec.npartitions, buckets)
 
     async def _ask_held(self, address: str) -> dict[str, Any]:
-        return await self._unless_closing(self._ask_held_until_closed(address))
+        async def attempt() -> dict[str, Any]:
+            call = self.rpc(address).gpushuffle_held(shuffle_id=self.id, run_id=self.run_id)
+            result: dict[str, Any] = await asyncio.wait_for(call, self.send_timeout)
+            return result
 
-    async def _ask_held_until_closed(self, address: str) -> dict[str, Any]:
-        # Not distributed's retry(): a cancellation that comes as an attempt
-        # fails with an OSError is lost in asyncio.wait_for, and its backoff
-        # (up to 30 s) would keep a closed run's transfer task asking a
-        # worker that is gone; this loop looks at the run before each try.
-        delay = 0.05
-        for attempt in itertools.count():
+        return await self._unless_closing(
+            self._retry_until_closed(attempt, f"asking {address} what it holds")
+        )
+
+    async def _retry_until_closed(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+        """``attempt()``, retried on ``OSError`` as distributed's ``retry()``
+        does (``distributed.p2p.comm.retry.*``), never past the run's closing.
+
+        Not distributed's ``retry()``: a cancellation that comes as an attempt
+        fails with an ``OSError`` is lost in ``asyncio.wait_for``, and the
+        backoff (up to ``retry.delay.max``) would then keep a closed run
+        sending to, or asking, a worker that is gone, and its transfer task
+        from being run again (seen with a closed run's held query).  This loop
+        looks at the run before each try and stops waiting when it closes.
+        """
+        for tried in itertools.count():
             self.raise_if_closed()
             if self._closing.is_set():
-                raise ShuffleClosedError(f"{self} was closed while asking {address}")
-            call = self.rpc(address).gpushuffle_held(shuffle_id=self.id, run_id=self.run_id)
+                raise ShuffleClosedError(f"{self} was closed while {what}")
             try:
-                result: dict[str, Any] = await asyncio.wait_for(call, self.send_timeout)
-                return result
-            except OSError:
-                if attempt >= self.RETRY_COUNT:
+                return await attempt()
+            except OSError as e:
+                if tried >= self.RETRY_COUNT:
                     raise
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, self.RETRY_DELAY_MAX)
+                logger.info("%s: retrying %s after attempt %d failed: %r", self, what, tried + 1, e)
+            delay = min(self.RETRY_DELAY_MIN * (2**tried - 1), self.RETRY_DELAY_MAX)
+            closing = asyncio.ensure_future(self._closing.wait())
+            try:
+                await asyncio.wait((closing,), timeout=delay * (1 + 0.1 * random.random()))
+            finally:
+                closing.cancel()
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- transfer ---------------------------------------------------------
@@ -593,12 +608,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             # buffers alive for minutes (connects time out after
             # distributed.comm.timeouts.connect, then retries back off).
             return await self._unless_closing(
-                retry(
-                    attempt,
-                    count=self.RETRY_COUNT,
-                    delay_min=self.RETRY_DELAY_MIN,
-                    delay_max=self.RETRY_DELAY_MAX,
-                )
+                self._retry_until_closed(attempt, f"sending {len(shards)} shard(s) to {address}")
             )
 
         lend = self._lends_to(address)

@@ -334,11 +334,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     raise
                 logger.info("%s: retrying %s after attempt %d failed: %r", self, what, tried + 1, e)
             delay = min(self.RETRY_DELAY_MIN * (2**tried - 1), self.RETRY_DELAY_MAX)
-            closing = asyncio.ensure_future(self._closing.wait())
-            try:
-                await asyncio.wait((closing,), timeout=delay * (1 + 0.1 * random.random()))
-            finally:
-                closing.cancel()
+            await self._unless_closing(asyncio.sleep(delay * (1 + 0.1 * random.random())))
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- transfer ---------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,19 @@ def known_run(
     return run
 
 
+def prepare_schedulers(shuffle_id: ShuffleId) -> None:
+    """Give the schedulers in this process what gpushuffle's runs ask of them
+    (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`), before any
+    worker creates a run of ``shuffle_id``: called by
+    ``ShuffleSpec.create_new_run`` on the scheduler's event loop."""
+    # None where distributed's Scheduler no longer keeps its instances (the
+    # output tasks are not pinned then either: pin_output_tasks).
+    for scheduler in list(getattr(Scheduler, "_instances", ())):
+        scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
+        ops_known(scheduler)
+        _release_failed_runs(scheduler).shuffles.add(shuffle_id)
+
+
 def pin_output_tasks(
     shuffle_id: ShuffleId, worker_for: dict[int, str], partition_of: Callable[[Any], int | None]
 ) -> int:
@@ -123,8 +136,6 @@ def pin_output_tasks(
     pinned = 0
     try:
         for scheduler in list(Scheduler._instances):
-            scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
-            _release_failed_runs(scheduler).shuffles.add(shuffle_id)
             barrier = scheduler.tasks.get(key)
             plugin = scheduler.plugins.get("shuffle")
             if barrier is None or plugin is None or not workers <= scheduler.workers.keys():
@@ -189,6 +200,54 @@ def _restrict_output_task(
 
 #: The worker stream op that tells a failed run to release what it holds.
 RELEASE_FAILED_RUN = "gpushuffle-release-failed"
+#: The scheduler handler a worker calls once it knows gpushuffle's worker
+#: stream ops (as it creates a run: ``GPUShuffleRun``).
+OPS_KNOWN = "gpushuffle_ops_known"
+
+
+class OpsKnown(SchedulerPlugin):
+    """The workers that know gpushuffle's worker stream ops, and the way to
+    send them one.
+
+    A worker learns them as it creates a gpushuffle run, and then says so
+    (:data:`OPS_KNOWN`).  An op a worker does not know breaks its stream
+    with the scheduler (``handle_stream``'s ``KeyError``), which cuts it
+    off: a shuffle failed or cancelled before a participating worker created
+    its run would do that.  Such a worker holds nothing of gpushuffle's for
+    the op to act on, so it is left out.  The worker says it by a call, not
+    on its stream: a scheduler without the handler (gpushuffle could not
+    reach it: no ``Scheduler._instances``) answers that call with an error,
+    where an unknown stream op would cut the worker off.
+    """
+
+    name = "gpushuffle-ops-known"
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.workers: set[str] = set()
+        scheduler.handlers.setdefault(OPS_KNOWN, self._known)
+
+    def _known(self, worker: str) -> None:
+        if worker in self.scheduler.workers:
+            self.workers.add(worker)
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self.workers.discard(worker)
+
+    def send(self, workers: Iterable[str], message: dict[str, Any]) -> None:
+        """Send ``message`` to those of ``workers`` that know its op."""
+        known = self.workers.intersection(workers) & self.scheduler.workers.keys()
+        if known:
+            self.scheduler.send_all({}, {worker: [dict(message)] for worker in known})
+
+
+def ops_known(scheduler: Scheduler) -> OpsKnown:
+    """``scheduler``'s :class:`OpsKnown`, added on first use."""
+    plugin = scheduler.plugins.get(OpsKnown.name)
+    if not isinstance(plugin, OpsKnown):
+        plugin = OpsKnown(scheduler)
+        scheduler.add_plugin(plugin, name=OpsKnown.name)
+    return plugin
 
 
 class ReleaseFailedRuns(SchedulerPlugin):
@@ -228,9 +287,7 @@ class ReleaseFailedRuns(SchedulerPlugin):
         if shuffle is None:
             return
         message = {"op": RELEASE_FAILED_RUN, "shuffle_id": shuffle_id, "run_id": shuffle.run_id}
-        self.scheduler.send_all(
-            {}, {worker: [dict(message)] for worker in shuffle.participating_workers}
-        )
+        ops_known(self.scheduler).send(shuffle.participating_workers, message)
 
 
 def _release_failed_runs(scheduler: Scheduler) -> ReleaseFailedRuns:
@@ -299,13 +356,11 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
 
     def _drop_kept(self, shuffle_id: ShuffleId) -> None:
         """Tell the workers that ran ``shuffle_id`` to release what they kept
-        for its next run (:data:`DROP_KEPT`: they know the op)."""
+        for its next run (:data:`DROP_KEPT`)."""
         ran = set().union(
             *(run.participating_workers for run in self._shuffles.get(shuffle_id, ()))
         )
-        message = {"op": DROP_KEPT, "shuffle_id": shuffle_id}
-        workers = ran & self.scheduler.workers.keys()
-        self.scheduler.send_all({}, {w: [dict(message)] for w in workers})
+        ops_known(self.scheduler).send(ran, {"op": DROP_KEPT, "shuffle_id": shuffle_id})
 
     def remove_worker(
         self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any
@@ -336,7 +391,7 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
         if len(alive) == len(shuffle.participating_workers):
             return
         message = {"op": KEEP_RUN, "shuffle_id": shuffle.id, "run_id": shuffle.run_id}
-        self.scheduler.send_all({}, {worker: [dict(message)] for worker in alive})
+        ops_known(self.scheduler).send(alive, message)
 
     def restart_for_output(self, id: ShuffleId, run_id: int, partition: int) -> None:
         """Run ``id`` again: output ``partition``, built before a worker left
@@ -430,6 +485,7 @@ __all__ = [
     "DROP_KEPT",
     "HELD",
     "KEEP_RUN",
+    "OPS_KNOWN",
     "RELEASE_FAILED_RUN",
     "RESTART_FOR_OUTPUT",
     "RESTRICT_OUTPUT_TASK",
@@ -472,5 +528,6 @@ __all__ = [
     "merge_chunk",
     "partitioning_index",
     "pin_output_tasks",
+    "prepare_schedulers",
     "previous_run",
 ]

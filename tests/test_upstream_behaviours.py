@@ -23,6 +23,7 @@ import pytest
 from dask.dataframe.utils import assert_eq
 from dask.utils import key_split
 from distributed import Event
+from distributed.core import Status
 from faults import (
     TRANSFER,
     UNPACK,
@@ -117,6 +118,32 @@ async def test_an_unexpected_error_reaches_the_user_with_its_cause(c, s, a, b, p
     cause = info.value.__cause__
     assert isinstance(cause, ValueError) and "boom" in str(cause), repr(cause)
     del futures
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
+@cluster_test(n_workers=3)
+async def test_a_shuffle_failed_before_a_worker_took_part_leaves_that_worker_connected(
+    c, s, a, b, w, recovery
+):
+    """The one transfer fails before it sends anything: two of the three
+    participating workers never created a run, so they do not know
+    gpushuffle's stream ops, and what the scheduler tells a failed run's
+    workers (release, drop what was kept) must not reach them: an op a
+    worker does not know breaks its stream and cuts it off."""
+    with (
+        dask.config.set({"gpushuffle.recovery": recovery}),
+        mock.patch.object(PandasBackend, "split_groups", _boom),
+    ):
+        futures = c.compute(gpushuffled(1, ROWS, NOUT))
+        with pytest.raises(RuntimeError, match=r"P2P .* failed"):
+            await futures
+    del futures
+    # A worker cut off closes; a shuffle over all three takes long enough to see it.
+    expected = truth(NIN, ROWS, NOUT)
+    assert_correct(await c.gather(c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())), expected)
+    assert set(s.workers) == {a.address, b.address, w.address}
+    assert all(worker.status == Status.running for worker in (a, b, w))
     await finish(c, s)
 
 

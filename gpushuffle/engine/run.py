@@ -34,6 +34,7 @@ from gpushuffle._distributed import (
     DROP_KEPT,
     HELD,
     KEEP_RUN,
+    OPS_KNOWN,
     RELEASE_FAILED_RUN,
     RESTART_FOR_OUTPUT,
     RESTRICT_OUTPUT_TASK,
@@ -43,6 +44,7 @@ from gpushuffle._distributed import (
     ShuffleRun,
     ShuffleSpec,
     pin_output_tasks,
+    prepare_schedulers,
     previous_run,
 )
 from gpushuffle.engine import budget, copies, links, recovery
@@ -72,6 +74,8 @@ from gpushuffle.transport import (
 )
 
 if TYPE_CHECKING:
+    from distributed import Worker
+
     from gpushuffle._distributed import ShuffleWorkerPlugin
 
 T = TypeVar("T")
@@ -231,6 +235,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
         worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
         worker.handlers.setdefault(HELD, _held_handler(plugin))
+        _say_ops_known(worker)
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions, spec.done)
         # A worker paused for its memory runs no task until that drops; what
@@ -1071,6 +1076,7 @@ class GPUShuffleSpec(ShuffleSpec[int]):
         from gpushuffle.engine.graph import output_partition_of
 
         spec = self
+        prepare_schedulers(self.id)
         if self.partial_recovery:
             previous = previous_run(self.id, output_partition_of)
             plan = (
@@ -1112,6 +1118,24 @@ class GPUShuffleSpec(ShuffleSpec[int]):
             span_id=span_id,
             plugin=plugin,
         )
+
+
+def _say_ops_known(worker: Worker) -> None:
+    """Tell the scheduler this worker now knows gpushuffle's stream ops
+    (``_distributed.OpsKnown``: it sends them to such workers only)."""
+
+    async def say() -> None:
+        try:
+            await getattr(worker.scheduler, OPS_KNOWN)(worker=worker.address)
+        except Exception as error:  # the scheduler has no handler, or is gone
+            logger.debug(
+                "%s could not tell the scheduler it knows gpushuffle's ops: %r",
+                worker.address,
+                error,
+            )
+
+    if getattr(worker, "scheduler", None) is not None:
+        worker.loop.add_callback(say)
 
 
 def _keep_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:

@@ -645,5 +645,60 @@ def demo(rows: int, partitions: int, workers: int) -> None:
             sys.exit(1)
 
 
+@main.command()
+@click.option("--rounds", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--first",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="The first round's number: with --rounds 1, reruns that round alone.",
+)
+@click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
+@click.option(
+    "--recovery",
+    type=click.Choice(["partial", "restart"]),
+    default="partial",
+    show_default=True,
+    help="gpushuffle.recovery for the rounds.",
+)
+@click.option("--json", "json_path", default=None, help="Write per-round results here.")
+def soak(
+    rounds: int, seed: int, first: int, workers: int, recovery: str, json_path: str | None
+) -> None:
+    """Many seeded rounds of shuffles and merges with workers SIGKILLed at
+    random moments, every output partition checked against the tasks method
+    and the workers checked for leftovers (gpushuffle.soak).  Exit status 1
+    if any round went wrong."""
+    from gpushuffle.soak import format_round, run_soak
+
+    def progress(result: Any) -> None:
+        click.echo(format_round(result))
+
+    with _sigterm_interrupts():
+        results = run_soak(
+            rounds=rounds,
+            seed=seed,
+            first=first,
+            workers=workers,
+            recovery=recovery,
+            on_result=progress,
+        )
+    wrong = [r.round.number for r in results if not r.right]
+    killed = sum(r.killed for r in results)
+    click.echo(
+        f"{len(results)} rounds (seed {seed}), {killed} workers killed, recovery {recovery}: "
+        + (f"rounds {wrong} went WRONG" if wrong else "every round right and clean")
+    )
+    if json_path:
+        import dataclasses
+
+        with open(json_path, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    if wrong:
+        sys.exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,67 @@
+"""The soak with random losses (``gpushuffle soak``): a few seeded rounds on
+Nanny workers in CI, and the check it relies on catching what is wrong.
+Longer soaks are run by hand (docs/development.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from gpushuffle.cli import main
+from gpushuffle.soak import Round, differences, output_digest
+
+
+def _part(keys: list[int], names: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({"key": keys, "x": [k * 0.5 for k in keys], "name": names})
+
+
+def test_the_digest_sees_a_row_moved_changed_or_lost_but_not_the_order():
+    truth = pd.concat(
+        [output_digest(_part([1, 2, 3], ["a", "b", "c"])), output_digest(_part([4], ["d"]))]
+    )
+    reordered = pd.concat(
+        [output_digest(_part([3, 1, 2], ["c", "a", "b"])), output_digest(_part([4], ["d"]))]
+    )
+    assert differences(reordered, truth) == []
+    moved = pd.concat(
+        [output_digest(_part([1, 2], ["a", "b"])), output_digest(_part([4, 3], ["d", "c"]))]
+    )
+    assert differences(moved, truth) == [0, 1]
+    # A string changed and nothing else: the row count and the numbers agree.
+    changed = pd.concat(
+        [output_digest(_part([1, 2, 3], ["a", "b", "x"])), output_digest(_part([4], ["d"]))]
+    )
+    assert differences(changed, truth) == [0]
+    lost = pd.concat([output_digest(_part([1, 2, 3], ["a", "b", "c"]))])
+    assert differences(lost, truth) == [-1]
+
+
+def test_rounds_are_drawn_from_the_seed_alone():
+    drawn = [Round.draw(7, n, "partial") for n in range(40)]
+    assert drawn == [Round.draw(7, n, "partial") for n in range(40)]
+    assert drawn != [Round.draw(8, n, "partial") for n in range(40)]
+    # Both operations, both column kinds, rounds without a loss, with two at once.
+    assert {r.operation for r in drawn} == {"shuffle", "merge"}
+    assert {r.dtypes for r in drawn} == {"numeric", "mixed"}
+    assert any(not r.kills for r in drawn)
+    assert any(len(r.kills) == 2 and r.kills[0] == r.kills[1] for r in drawn)
+
+
+@pytest.mark.recovery
+@pytest.mark.timeout(600)
+def test_a_short_soak_is_right_and_leaves_nothing_behind(tmp_path):
+    """Four rounds (seed 3: shuffles and a merge, one and two losses) on
+    three Nanny workers: every output partition of every run equal to the
+    tasks method's, nothing left on the workers."""
+    out = tmp_path / "soak.json"
+    result = CliRunner().invoke(
+        main, ["soak", "--rounds", "4", "--seed", "3", "--workers", "3", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    rounds = json.loads(out.read_text())
+    assert len(rounds) == 4 and all(r["right"] for r in rounds), result.output
+    assert sum(r["killed"] for r in rounds) >= 2, result.output
+    assert "every round right and clean" in result.output

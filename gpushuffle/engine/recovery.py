@@ -40,15 +40,17 @@ never a missing row.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from gpushuffle._distributed import previous_run
 from gpushuffle.counters import Counters
 
 if TYPE_CHECKING:
@@ -157,6 +159,30 @@ def plan_run(
         len(plan.done),
     )
     return plan
+
+
+def next_run(spec: Any, worker_for: dict[int, str]) -> tuple[Any, dict[int, str]]:
+    """The spec and mapping of a new run of ``spec``'s shuffle, on the
+    scheduler (``create_new_run``): a run after a loss keeps partitions on
+    their survivors, names the outputs already built and counts its
+    generation; any other run, both as given."""
+    from gpushuffle.engine.graph import output_partition_of
+
+    previous = previous_run(spec.id, output_partition_of)
+    if previous is None:
+        return spec, worker_for
+    plan = plan_run(
+        spec.id, spec.output_partitions, previous.worker_for, previous.alive, previous.built
+    )
+    if plan is None:
+        return spec, worker_for
+    # A join's second side takes the mapping distributed aligned with the
+    # first side's (already recovering): adopting stores drop what moved
+    # away from their worker.
+    if not previous.aligned:
+        worker_for = plan.worker_for
+    generation = previous.spec.generation + 1
+    return dataclasses.replace(spec, generation=generation, done=plan.done), worker_for
 
 
 # -- worker half: what a failed run leaves -------------------------------------
@@ -319,6 +345,105 @@ async def adopt(
         complete={b: kept.get(b, frozenset()) for b in by_bucket},
     )
     return buckets, bucket_of
+
+
+class RunRecovery:
+    """One run's part in partial recovery, on its worker.
+
+    A run that follows a loss (``generation`` above 0) adopts what the run
+    before it held here (:func:`adopt`, in the background: receiving and
+    unpacking wait for it, :meth:`ready`), and its senders ask every
+    receiver once what it holds (:meth:`plan_sends`) and split each input
+    for the buckets that lack it (:meth:`layout_for`).  A run failed by a
+    peer's loss, after the scheduler said to keep it (``KEEP_RUN``:
+    :attr:`keep_on_fail`), hands its store over to the next run
+    (:meth:`hand_over`) instead of deleting it.
+    """
+
+    def __init__(self, run: Any, mine: list[int], holding: Holding | None) -> None:
+        self.run = run
+        self.generation: int = run.spec.generation
+        self.buckets = fresh_buckets(mine)
+        self.bucket_of = dict.fromkeys(mine, 0)
+        self.send_plan: SendPlan | None = None
+        self._planning = asyncio.Lock()
+        self.keep_on_fail = False
+        self.handed_over = False
+        self.adoption: asyncio.Future[None] | None = None
+        if self.generation:
+            self.adoption = asyncio.ensure_future(self._adopt(holding, mine))
+
+    @staticmethod
+    def holding_for(address: str, spec: Any, run_id: int) -> Holding | None:
+        """What the run before ``run_id`` of ``spec``'s shuffle left on this
+        worker for it, if it follows a loss."""
+        if not spec.generation:
+            return None
+        holding = holdings.take(address, spec.id)
+        if holding is not None and holding.run_id >= run_id:
+            holding.store.close()  # pragma: no cover - a newer run's: never handed back
+            holding = None
+        return holding
+
+    async def _adopt(self, holding: Holding | None, mine: list[int]) -> None:
+        self.buckets, self.bucket_of = await adopt(holding, mine, self.generation, owner=self.run)
+        self.run.received.update(self.run.store.receipt_keys())
+
+    @property
+    def adopting(self) -> bool:
+        return self.adoption is not None and not self.adoption.done()
+
+    async def ready(self) -> None:
+        """Wait until this run's buckets are known."""
+        if self.adoption is not None:
+            await self.adoption
+
+    async def plan_sends(
+        self, receivers: list[str], ask: Callable[[str], Awaitable[dict[str, Any]]]
+    ) -> None:
+        """Ask each of ``receivers`` what it holds (``ask``, this worker's own
+        buckets aside), once per run."""
+        async with self._planning:
+            if self.send_plan is not None:
+                return
+            await self.ready()
+            here = self.run.local_address
+            peers = [a for a in receivers if a != here]
+            answers = await asyncio.gather(*(ask(a) for a in peers))
+            buckets = {a: Buckets.from_message(m) for a, m in zip(peers, answers, strict=True)}
+            if here in receivers:
+                buckets[here] = self.buckets
+            self.send_plan = SendPlan(self.run.spec.npartitions, buckets)
+
+    def layout_for(self, input_partition: int, base: Layout) -> Layout:
+        """Where ``input_partition``'s rows go: ``base`` unless recovering."""
+        if self.send_plan is None:
+            return base
+        found = self.send_plan.for_input(input_partition)
+        statistics.add(inputs_split=bool(found.groups), inputs_skipped=not found.groups)
+        return found
+
+    def sent(self, nbytes: int) -> None:
+        if self.generation:
+            statistics.add(bytes_resent=nbytes)
+
+    def hand_over(self, store: ShardStore, worker: Any, hold_s: float) -> None:
+        """The run failed by a peer's loss, told to keep: ``store`` waits for
+        the next run here (closed if none takes it within ``hold_s``)."""
+        self.handed_over = True
+        store.hand_over(None)
+        release_on_close(worker)
+        holdings.hand_over(
+            self.run.local_address,
+            self.run.id,
+            Holding(run_id=self.run.run_id, store=store, bucket_of=self.bucket_of),
+            asyncio.get_running_loop(),
+            hold_s,
+        )
+
+    def cancel(self) -> None:
+        if self.adoption is not None and not self.adoption.done():
+            self.adoption.cancel()
 
 
 # -- sender side -------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -31,11 +30,6 @@ from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
 from gpushuffle._distributed import (
-    DROP_KEPT,
-    HELD,
-    KEEP_RUN,
-    OPS_KNOWN,
-    RELEASE_FAILED_RUN,
     RESTART_FOR_OUTPUT,
     RESTRICT_OUTPUT_TASK,
     P2PConsistencyError,
@@ -45,9 +39,8 @@ from gpushuffle._distributed import (
     ShuffleSpec,
     pin_output_tasks,
     prepare_schedulers,
-    previous_run,
 )
-from gpushuffle.engine import budget, copies, links, recovery
+from gpushuffle.engine import budget, copies, links, recovery, worker_ops
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
 from gpushuffle.engine.outputs import (
     check_outputs_fit,
@@ -74,8 +67,6 @@ from gpushuffle.transport import (
 )
 
 if TYPE_CHECKING:
-    from distributed import Worker
-
     from gpushuffle._distributed import ShuffleWorkerPlugin
 
 T = TypeVar("T")
@@ -193,10 +184,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # worker's loss adopts what this worker's run before it held.
         self.generation = spec.generation
         mine = [p for p, w in worker_for.items() if w == worker.address and p not in spec.done]
-        holding = recovery.holdings.take(worker.address, spec.id) if spec.generation else None
-        if holding is not None and holding.run_id >= run_id:
-            holding.store.close()  # pragma: no cover - a newer run's: never handed back
-            holding = None
+        holding = recovery.RunRecovery.holding_for(worker.address, spec, run_id)
         self.store = (
             holding.store
             if holding is not None
@@ -212,15 +200,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         )
         if holding is None:
             self.store.hand_over(self)
-        self.buckets = recovery.fresh_buckets(mine)
-        self._bucket_of = dict.fromkeys(mine, 0)
-        self._adoption: asyncio.Future[None] | None = None
-        if spec.generation:
-            self._adoption = asyncio.ensure_future(self._adopt(holding, mine))
-        self._send_plan: recovery.SendPlan | None = None
-        self._planning = asyncio.Lock()
-        self._keep_on_fail = False
-        self._handed_over = False
+        self.recovery = recovery.RunRecovery(self, mine, holding)
         if memory.host.limit is not None:
             # Free pool blocks count against the machine like the store does.
             host_pool().bound_by(memory.host.limit)
@@ -229,13 +209,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for executor in (*worker.executors.values(), plugin._executor):
             host_pool().malloc.watch(executor)
         host_pool().watch_worker(worker)
-        worker.stream_handlers.setdefault(
-            RELEASE_FAILED_RUN, functools.partial(_release_failed_run, plugin)
-        )
-        worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
-        worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
-        worker.handlers.setdefault(HELD, _held_handler(plugin))
-        _say_ops_known(worker)
+        worker_ops.install(worker, plugin)
         self._closing = asyncio.Event()
         self._layout(worker_for, spec.npartitions, spec.done)
         # A worker paused for its memory runs no task until that drops; what
@@ -267,8 +241,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     def _layout(self, worker_for: dict[int, str], npartitions: int, done: frozenset[int]) -> None:
         """Order wanted partitions by destination worker (``self.base_layout``).
 
-        A recovering run sends by :attr:`_send_plan` instead, once it knows
-        what its receivers hold.
+        A recovering run sends by its recovery's send plan instead, once it
+        knows what its receivers hold.
         """
         by_worker: dict[str, list[int]] = {}
         for partition, address in sorted(worker_for.items()):
@@ -279,33 +253,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             ((address, 0, np.asarray(p, dtype=np.int64)) for address, p in by_worker.items()),
         )
 
-    async def _adopt(self, holding: recovery.Holding | None, mine: list[int]) -> None:
-        """Take over what the run before held here, and say what is wanted."""
-        self.buckets, self._bucket_of = await recovery.adopt(
-            holding, mine, self.generation, owner=self
-        )
-        self.received.update(self.store.receipt_keys())
-
-    async def _ready(self) -> None:
-        """Wait until this run's buckets are known (a recovering run's adoption)."""
-        if self._adoption is not None:
-            await self._adoption
-
     async def _plan_sends(self) -> None:
         """A recovering run's senders: ask each receiver what it holds, once."""
-        async with self._planning:
-            if self._send_plan is not None:
-                return
-            await self._ready()
-            receivers = sorted({a for a, _, _, _ in self.base_layout.groups})
-            peers = [a for a in receivers if a != self.local_address]
-            answers = await asyncio.gather(*(self._ask_held(a) for a in peers))
-            buckets = {
-                a: recovery.Buckets.from_message(m) for a, m in zip(peers, answers, strict=True)
-            }
-            if self.local_address in receivers:
-                buckets[self.local_address] = self.buckets
-            self._send_plan = recovery.SendPlan(self.spec.npartitions, buckets)
+        receivers = sorted({a for a, _, _, _ in self.base_layout.groups})
+        await self.recovery.plan_sends(receivers, self._ask_held)
 
     async def _ask_held(self, address: str) -> dict[str, Any]:
         async def attempt() -> dict[str, Any]:
@@ -534,13 +485,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def _shard_partition(self, data: Any, partition_id: int) -> list[tuple[str, Shard]]:  # type: ignore[override]
         backend = self.backend
-        if self._send_plan is not None:
-            layout = self._send_plan.for_input(partition_id)
-            recovery.statistics.add(
-                inputs_split=bool(layout.groups), inputs_skipped=not layout.groups
-            )
-        else:
-            layout = self.base_layout
+        layout = self.recovery.layout_for(partition_id, self.base_layout)
         if not layout.groups:
             return []
         # One table per destination, each in its own buffers: what goes to
@@ -588,8 +533,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 )
             )
         nbytes = sum(s.nbytes for _, s in out)
-        if self.generation:
-            recovery.statistics.add(bytes_resent=nbytes)
+        self.recovery.sent(nbytes)
         context_meter.digest_metric("p2p-shards", nbytes, "bytes")
         context_meter.digest_metric("p2p-shards", len(out), "count")
         return out
@@ -797,18 +741,19 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         await self._store(data)
 
     async def _store(self, shards: list[Shard]) -> None:
-        await self._ready()
+        await self.recovery.ready()
+        buckets = self.recovery.buckets
         for shard in shards:
             # An input partition re-sent (a retried transfer task, a run
             # after a worker's loss) is ignored.
             key = _key(shard)
             if key in self.received:
                 continue
-            if shard.bucket not in self.buckets.partitions:
+            if shard.bucket not in buckets.partitions:
                 self._exception = P2PConsistencyError(
                     f"{self}: a shard of input {shard.input_partition} from "
                     f"{shard.sender or 'a peer'} is for bucket {shard.bucket}, which this "
-                    f"worker does not have ({sorted(self.buckets.partitions)})"
+                    f"worker does not have ({sorted(buckets.partitions)})"
                 )
                 raise self._exception
             self.received.add(key)
@@ -841,8 +786,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             raise ShuffleClosedError(f"{self}: output {partition_id} needs another run")
         if self._get_assigned_worker(partition_id) != self.local_address:
             sync(self._loop, self._ensure_output_worker, partition_id, key)  # raises Reschedule
-        if self._adoption is not None and not self._adoption.done():
-            sync(self._loop, self._ready)
+        if self.recovery.adopting:
+            sync(self._loop, self.recovery.ready)
         if not self.transferred:
             raise RuntimeError("`get_output_partition` called before barrier task")
         with (
@@ -947,7 +892,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         closes it (``_distributed.ReleaseFailedRuns``)."""
         if self.closed:
             return
-        self._keep_on_fail = False
+        self.recovery.keep_on_fail = False
         if self._exception is None:
             self.fail(
                 P2PConsistencyError(f"{self} failed: the shuffle's barrier erred on the scheduler")
@@ -960,17 +905,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # run of the shuffle here (partial recovery) instead of being deleted.
         own = self._exception is not None or self.closed
         super().fail(exception)
-        if self._keep_on_fail and not own and not self._handed_over and not self.store.closed:
-            self._handed_over = True
-            self.store.hand_over(None)
-            recovery.release_on_close(self._worker)
-            recovery.holdings.hand_over(
-                self.local_address,
-                self.id,
-                recovery.Holding(run_id=self.run_id, store=self.store, bucket_of=self._bucket_of),
-                asyncio.get_running_loop(),
-                parse_timedelta(config.get("recovery-hold"), default="s") or 0,
-            )
+        kept = self.recovery
+        if kept.keep_on_fail and not own and not kept.handed_over and not self.store.closed:
+            hold_s = parse_timedelta(config.get("recovery-hold"), default="s") or 0
+            kept.hand_over(self.store, self._worker, hold_s)
 
     def _release(self) -> None:
         self._closing.set()
@@ -978,9 +916,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._lingering.clear()
         self._lingering_bytes.clear()
         self._lingering_total = 0
-        if self._adoption is not None and not self._adoption.done():
-            self._adoption.cancel()
-        if not self._handed_over:
+        self.recovery.cancel()
+        if not self.recovery.handed_over:
             self.store.close()
 
     async def close(self) -> None:
@@ -1075,30 +1012,10 @@ class GPUShuffleSpec(ShuffleSpec[int]):
     def create_new_run(self, worker_for: dict[int, str], span_id: str | None) -> Any:
         from gpushuffle.engine.graph import output_partition_of
 
-        spec = self
         prepare_schedulers(self.id)
+        spec = self
         if self.partial_recovery:
-            previous = previous_run(self.id, output_partition_of)
-            plan = (
-                recovery.plan_run(
-                    self.id,
-                    self.output_partitions,
-                    previous.worker_for,
-                    previous.alive,
-                    previous.built,
-                )
-                if previous is not None
-                else None
-            )
-            if previous is not None and plan is not None:
-                # A join's second side takes the mapping distributed aligned
-                # with the first side's (already recovering): adopting stores
-                # drop what moved away from their worker.
-                if not previous.aligned:
-                    worker_for = plan.worker_for
-                spec = dataclasses.replace(
-                    self, generation=previous.spec.generation + 1, done=plan.done
-                )
+            spec, worker_for = recovery.next_run(self, worker_for)
         state = ShuffleSpec.create_new_run(spec, worker_for=worker_for, span_id=span_id)
         pending = {p: w for p, w in worker_for.items() if p not in spec.done}
         pin_output_tasks(self.id, pending, output_partition_of)
@@ -1118,57 +1035,3 @@ class GPUShuffleSpec(ShuffleSpec[int]):
             span_id=span_id,
             plugin=plugin,
         )
-
-
-def _say_ops_known(worker: Worker) -> None:
-    """Tell the scheduler this worker now knows gpushuffle's stream ops
-    (``_distributed.OpsKnown``: it sends them to such workers only)."""
-
-    async def say() -> None:
-        try:
-            await getattr(worker.scheduler, OPS_KNOWN)(worker=worker.address)
-        except Exception as error:  # the scheduler has no handler, or is gone
-            logger.debug(
-                "%s could not tell the scheduler it knows gpushuffle's ops: %r",
-                worker.address,
-                error,
-            )
-
-    if getattr(worker, "scheduler", None) is not None:
-        worker.loop.add_callback(say)
-
-
-def _keep_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
-    """The worker's :data:`~gpushuffle._distributed.KEEP_RUN` handler."""
-    run = plugin.shuffle_runs._active_runs.get(shuffle_id)  # type: ignore[call-overload]
-    if isinstance(run, GPUShuffleRun) and run.run_id == run_id:
-        run._keep_on_fail = True
-
-
-def _drop_kept(address: str, shuffle_id: str) -> None:
-    """The worker's :data:`~gpushuffle._distributed.DROP_KEPT` handler."""
-    holding = recovery.holdings.take(address, shuffle_id)
-    if holding is not None:
-        holding.store.close()
-
-
-def _held_handler(plugin: ShuffleWorkerPlugin) -> Callable[..., Awaitable[dict[str, Any]]]:
-    """The worker's :data:`~gpushuffle._distributed.HELD` handler (a named
-    function: distributed's comm handlers log their ``__name__``)."""
-
-    async def gpushuffle_held(shuffle_id: str, run_id: int) -> dict[str, Any]:
-        # This worker's buckets in run ``run_id``, once it knows them.
-        run = await plugin.shuffle_runs.get_with_run_id(shuffle_id, run_id)  # type: ignore[arg-type]
-        if not isinstance(run, GPUShuffleRun):
-            raise TypeError(f"{run} is not a gpushuffle run")
-        await run._ready()
-        return run.buckets.as_message()
-
-    return gpushuffle_held
-
-
-def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
-    """The worker's :data:`~gpushuffle._distributed.RELEASE_FAILED_RUN` handler."""
-    run = plugin.shuffle_runs._active_runs.get(shuffle_id)  # type: ignore[call-overload]
-    if isinstance(run, GPUShuffleRun) and run.run_id == run_id:
-        run.release_failed()

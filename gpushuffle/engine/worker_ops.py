@@ -1,0 +1,101 @@
+"""What the scheduler and peers ask of a worker's gpushuffle runs, beyond
+distributed's own shuffle ops: release a failed run, keep a run's store for
+the next run, drop what was kept, say what a recovering run holds.
+
+Registered on a worker as a gpushuffle run starts there (:func:`install`),
+which then tells the scheduler so (``_distributed.OpsKnown``): a stream op a
+worker does not know would cut it off from the scheduler.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from gpushuffle._distributed import DROP_KEPT, HELD, KEEP_RUN, OPS_KNOWN, RELEASE_FAILED_RUN
+from gpushuffle.engine import recovery
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from gpushuffle._distributed import ShuffleWorkerPlugin
+
+logger = logging.getLogger(__name__)
+
+
+def install(worker: Worker, plugin: ShuffleWorkerPlugin) -> None:
+    """Give ``worker`` gpushuffle's handlers (once), then tell its scheduler."""
+    worker.stream_handlers.setdefault(
+        RELEASE_FAILED_RUN, functools.partial(_release_failed_run, plugin)
+    )
+    worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
+    worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
+    worker.handlers.setdefault(HELD, _held_handler(plugin))
+    _say_ops_known(worker)
+
+
+def _say_ops_known(worker: Worker) -> None:
+    """Tell the scheduler this worker knows gpushuffle's stream ops (a call,
+    after they are registered: ``_distributed.OpsKnown`` says why)."""
+
+    async def say() -> None:
+        try:
+            await getattr(worker.scheduler, OPS_KNOWN)(worker=worker.address)
+        except Exception as error:  # the scheduler has no handler, or is gone
+            logger.debug(
+                "%s could not tell the scheduler it knows gpushuffle's ops: %r",
+                worker.address,
+                error,
+            )
+
+    if getattr(worker, "scheduler", None) is not None:
+        worker.loop.add_callback(say)
+
+
+def _recovery_of(run: Any) -> recovery.RunRecovery | None:
+    """``run``'s recovery if it is a gpushuffle run (not isinstance(run,
+    GPUShuffleRun): engine.run imports this module)."""
+    found = getattr(run, "recovery", None)
+    return found if isinstance(found, recovery.RunRecovery) else None
+
+
+def _active_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> Any:
+    """The worker's active gpushuffle run ``run_id`` of ``shuffle_id``, if any."""
+    run = plugin.shuffle_runs._active_runs.get(shuffle_id)  # type: ignore[call-overload]
+    return run if _recovery_of(run) is not None and run.run_id == run_id else None
+
+
+def _release_failed_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
+    """The :data:`~gpushuffle._distributed.RELEASE_FAILED_RUN` handler."""
+    if (run := _active_run(plugin, shuffle_id, run_id)) is not None:
+        run.release_failed()
+
+
+def _keep_run(plugin: ShuffleWorkerPlugin, shuffle_id: str, run_id: int) -> None:
+    """The :data:`~gpushuffle._distributed.KEEP_RUN` handler."""
+    if (run := _active_run(plugin, shuffle_id, run_id)) is not None:
+        run.recovery.keep_on_fail = True
+
+
+def _drop_kept(address: str, shuffle_id: str) -> None:
+    """The :data:`~gpushuffle._distributed.DROP_KEPT` handler."""
+    holding = recovery.holdings.take(address, shuffle_id)
+    if holding is not None:
+        holding.store.close()
+
+
+def _held_handler(plugin: ShuffleWorkerPlugin) -> Callable[..., Awaitable[dict[str, Any]]]:
+    """The :data:`~gpushuffle._distributed.HELD` handler (a named function:
+    distributed's comm handlers log their ``__name__``)."""
+
+    async def gpushuffle_held(shuffle_id: str, run_id: int) -> dict[str, Any]:
+        # This worker's buckets in run ``run_id``, once it knows them.
+        run = await plugin.shuffle_runs.get_with_run_id(shuffle_id, run_id)  # type: ignore[arg-type]
+        if (found := _recovery_of(run)) is None:
+            raise TypeError(f"{run} is not a gpushuffle run")
+        await found.ready()
+        return found.buckets.as_message()
+
+    return gpushuffle_held

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dask._task_spec import Alias, Task, TaskRef
 from dask._task_spec import _execute_subgraph as execute_subgraph
@@ -106,7 +106,7 @@ def prepare_schedulers(shuffle_id: ShuffleId) -> None:
     for scheduler in list(getattr(Scheduler, "_instances", ())):
         scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
         ops_known(scheduler)
-        _release_failed_runs(scheduler).shuffles.add(shuffle_id)
+        _added(scheduler, ReleaseFailedRuns).shuffles.add(shuffle_id)
 
 
 def pin_output_tasks(
@@ -241,13 +241,21 @@ class OpsKnown(SchedulerPlugin):
             self.scheduler.send_all({}, {worker: [dict(message)] for worker in known})
 
 
-def ops_known(scheduler: Scheduler) -> OpsKnown:
-    """``scheduler``'s :class:`OpsKnown`, added on first use."""
-    plugin = scheduler.plugins.get(OpsKnown.name)
-    if not isinstance(plugin, OpsKnown):
-        plugin = OpsKnown(scheduler)
-        scheduler.add_plugin(plugin, name=OpsKnown.name)
+_Plugin = TypeVar("_Plugin", "OpsKnown", "ReleaseFailedRuns")
+
+
+def _added(scheduler: Scheduler, kind: type[_Plugin]) -> _Plugin:
+    """``scheduler``'s plugin of ``kind``, added on first use."""
+    plugin = scheduler.plugins.get(kind.name)
+    if not isinstance(plugin, kind):
+        plugin = kind(scheduler)
+        scheduler.add_plugin(plugin, name=kind.name)
     return plugin
+
+
+def ops_known(scheduler: Scheduler) -> OpsKnown:
+    """``scheduler``'s :class:`OpsKnown`."""
+    return _added(scheduler, OpsKnown)
 
 
 class ReleaseFailedRuns(SchedulerPlugin):
@@ -288,15 +296,6 @@ class ReleaseFailedRuns(SchedulerPlugin):
             return
         message = {"op": RELEASE_FAILED_RUN, "shuffle_id": shuffle_id, "run_id": shuffle.run_id}
         ops_known(self.scheduler).send(shuffle.participating_workers, message)
-
-
-def _release_failed_runs(scheduler: Scheduler) -> ReleaseFailedRuns:
-    """``scheduler``'s :class:`ReleaseFailedRuns`, added on first use."""
-    plugin = scheduler.plugins.get(ReleaseFailedRuns.name)
-    if not isinstance(plugin, ReleaseFailedRuns):
-        plugin = ReleaseFailedRuns(scheduler)
-        scheduler.add_plugin(plugin, name=ReleaseFailedRuns.name)
-    return plugin
 
 
 #: The worker stream op that tells a run to hand its store over when it

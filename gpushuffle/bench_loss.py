@@ -12,6 +12,7 @@ partition).  ``gpushuffle`` runs with ``gpushuffle.recovery: partial``,
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -19,7 +20,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,13 +64,15 @@ def _recovery_counters() -> dict[str, int]:
     return recovery.statistics.as_dict()
 
 
-class _Killer:
-    """SIGKILLs worker processes of ``client`` at the times it is given."""
+class Killer:
+    """SIGKILLs random worker processes of ``client`` at given moments, in a thread."""
 
-    def __init__(self, client: Any, seed: int) -> None:
+    def __init__(self, client: Any, rng: random.Random) -> None:
         self.client = client
-        self.random = random.Random(seed)
+        self.random = rng
         self.kills = 0
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def kill_one(self) -> None:
         pids = {
@@ -77,22 +80,43 @@ class _Killer:
             for a, pid in self.client.run(_pid, on_error="return").items()
             if isinstance(pid, int)
         }
-        address = self.random.choice(sorted(pids))
-        os.kill(pids[address], signal.SIGKILL)
-        self.kills += 1
+        if pids:
+            os.kill(pids[self.random.choice(sorted(pids))], signal.SIGKILL)
+            self.kills += 1
 
-    def start(self, first_s: float, every_s: float | None, done: threading.Event) -> None:
+    def start(self, moments_s: Iterable[float]) -> None:
+        """Kill one worker at each of ``moments_s`` (seconds from now, in
+        order) until :meth:`stop`."""
+        self._done.clear()
+
         def loop() -> None:
-            wait = first_s
-            while not done.wait(wait):
-                # A worker restarting (no pid yet): the next interval kills.
+            started = time.perf_counter()
+            for at in moments_s:
+                if self._done.wait(max(0.0, at - (time.perf_counter() - started))):
+                    return
+                # A worker restarting (no pid yet): the next moment kills.
                 with contextlib.suppress(Exception):
                     self.kill_one()
-                if every_s is None:
-                    return
-                wait = every_s
 
-        threading.Thread(target=loop, daemon=True, name="gpushuffle-killer").start()
+        self._thread = threading.Thread(target=loop, daemon=True, name="gpushuffle-killer")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def all_workers_back(client: Any, cluster: Any, workers: int) -> None:
+    """Wait for ``workers`` workers after kills; start new Nannies for those
+    that do not come back, rather than failing the run (a LocalCluster closes
+    a Nanny whose worker misses ``lost-worker-timeout``)."""
+    try:
+        client.wait_for_workers(workers, timeout=60)
+    except TimeoutError:
+        logger.warning("workers did not come back after the kills: starting new ones")
+        cluster.scale(workers)
+        client.wait_for_workers(workers, timeout=300)
 
 
 def run_loss_benchmark(
@@ -156,25 +180,15 @@ def run_loss_benchmark(
             # Read as the graph is built: by compute(), not by shuffle().
             return dask.config.set(LOSS_METHODS.get(method, (method, {}))[1])
 
-        def all_workers_back() -> None:
-            # Workers that do not come back (see lost-worker-timeout above)
-            # are replaced by new Nannies, rather than the benchmark failing.
-            try:
-                client.wait_for_workers(workers, timeout=60)
-            except TimeoutError:
-                logger.warning("workers did not come back after the kills: starting new ones")
-                cluster.scale(workers)
-                client.wait_for_workers(workers, timeout=300)
-
         def fresh_input() -> Any:
-            all_workers_back()
+            all_workers_back(client, cluster, workers)
             df = persisted_evenly(client, rows, partitions, columns, dtypes)
             wait(df)
             return df
 
         df = fresh_input()
         truth = _digest(shuffled(df, "tasks").compute())
-        killer = _Killer(client, seed)
+        killer = Killer(client, random.Random(seed))
         for method in methods:
             for r in range(repeat):
                 df = fresh_input()
@@ -182,16 +196,15 @@ def run_loss_benchmark(
                 with settings(method):
                     clean = _digest(shuffled(df, method).compute())
                 no_fault = time.perf_counter() - start
-                before = _counters(client)
+                before = recovery_counters(client)
                 kills_before = killer.kills
-                done = threading.Event()
                 with settings(method):
                     future = client.compute(shuffled(df, method))
                 start = time.perf_counter()
-                first = (kill_at if kill_at is not None else kill_every) or 0.0
-                killer.start(
-                    first * no_fault, None if kill_every is None else kill_every * no_fault, done
-                )
+                if kill_every is None:
+                    killer.start([(kill_at or 0.0) * no_fault])
+                else:
+                    killer.start(kill_every * no_fault * n for n in itertools.count(1))
                 error = None
                 fault_s: float | None = None
                 try:
@@ -202,10 +215,10 @@ def run_loss_benchmark(
                 except Exception as e:
                     got, error = None, f"{type(e).__name__}: {e}"[:300]
                 finally:
-                    done.set()
+                    killer.stop()
                     future.cancel()
-                all_workers_back()
-                after = _counters(client)
+                all_workers_back(client, cluster, workers)
+                after = recovery_counters(client)
                 result = LossResult(
                     method=method,
                     repeat=r,
@@ -235,7 +248,7 @@ def run_loss_benchmark(
     return results, context
 
 
-def _counters(client: Any) -> dict[str, int]:
+def recovery_counters(client: Any) -> dict[str, int]:
     """The workers' recovery counters, summed (a worker restarting is left out)."""
     rows = client.run(_recovery_counters, on_error="return").values()
     return sum_counters(row for row in rows if isinstance(row, dict))

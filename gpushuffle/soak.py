@@ -16,12 +16,9 @@ one that went wrong is rerun alone with ``--seed S --first R --rounds 1``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,10 +96,6 @@ def differences(got: pd.DataFrame, truth: pd.DataFrame) -> list[int]:
     return [int(i) for i in np.flatnonzero((got != truth).any(axis=1).to_numpy())]
 
 
-def _pid() -> int:
-    return os.getpid()
-
-
 def _leftovers(dask_worker: Any) -> dict[str, Any]:
     """What shuffles left on a worker (nothing, once a round is over)."""
     from gpushuffle.engine import recovery
@@ -121,42 +114,6 @@ def _leftovers(dask_worker: Any) -> dict[str, Any]:
         ],
     }
     return {k: v for k, v in left.items() if v}
-
-
-class _Killer:
-    """SIGKILLs random worker processes at given moments, in a thread."""
-
-    def __init__(self, client: Any, rng: random.Random) -> None:
-        self.client = client
-        self.random = rng
-        self.killed = 0
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _kill_one(self) -> None:
-        pids = {
-            a: p for a, p in self.client.run(_pid, on_error="return").items() if isinstance(p, int)
-        }
-        if pids:
-            os.kill(pids[self.random.choice(sorted(pids))], signal.SIGKILL)
-            self.killed += 1
-
-    def start(self, moments_s: list[float]) -> None:
-        def loop() -> None:
-            started = time.perf_counter()
-            for at in moments_s:
-                if self._done.wait(max(0.0, at - (time.perf_counter() - started))):
-                    return
-                with contextlib.suppress(Exception):  # a worker without a pid: restarting
-                    self._kill_one()
-
-        self._thread = threading.Thread(target=loop, daemon=True, name="gpushuffle-soak-killer")
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 def run_soak(
@@ -199,15 +156,6 @@ def run_soak(
     return results
 
 
-def _all_workers_back(client: Any, cluster: Any, workers: int) -> None:
-    try:
-        client.wait_for_workers(workers, timeout=60)
-    except TimeoutError:
-        logger.warning("workers did not come back after the kills: starting new ones")
-        cluster.scale(workers)
-        client.wait_for_workers(workers, timeout=300)
-
-
 def _inputs(client: Any, spec: Round) -> list[Any]:
     from distributed import wait
 
@@ -236,9 +184,9 @@ def _computation(frames: list[Any], spec: Round, method: str) -> Any:
 def _run_round(
     client: Any, cluster: Any, spec: Round, workers: int, give_up_after: float
 ) -> RoundResult:
-    from gpushuffle.bench_loss import _counters
+    from gpushuffle.bench_loss import Killer, all_workers_back, recovery_counters
 
-    _all_workers_back(client, cluster, workers)
+    all_workers_back(client, cluster, workers)
     frames = _inputs(client, spec)
     truth = _computation(frames, spec, "tasks").compute()
     start = time.perf_counter()
@@ -247,8 +195,8 @@ def _run_round(
     problems = []
     if wrong := differences(clean, truth):
         problems.append(f"no-fault run: output partitions {wrong} differ from tasks")
-    before = _counters(client)
-    killer = _Killer(client, random.Random(f"kills-{spec.number}"))
+    before = recovery_counters(client)
+    killer = Killer(client, random.Random(f"kills-{spec.number}"))
     future = client.compute(_computation(frames, spec, "gpushuffle"))
     start = time.perf_counter()
     killer.start([at * no_fault for at in spec.kills])
@@ -266,15 +214,15 @@ def _run_round(
         killer.stop()
         future.cancel()
     del future, frames
-    _all_workers_back(client, cluster, workers)
-    after = _counters(client)
+    all_workers_back(client, cluster, workers)
+    after = recovery_counters(client)
     if left := _left_behind(client):
         problems.append(f"left on workers: {left}")
     return RoundResult(
         round=spec,
         no_fault_s=no_fault,
         fault_s=fault_s,
-        killed=killer.killed,
+        killed=killer.kills,
         right=not problems,
         problem="; ".join(problems) or None,
         recovery={k: after.get(k, 0) - before.get(k, 0) for k in after},

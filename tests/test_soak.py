@@ -1,6 +1,7 @@
-"""The soak with random losses (``gpushuffle soak``): a few seeded rounds on
-Nanny workers in CI, and the check it relies on catching what is wrong.
-Longer soaks are run by hand (docs/development.md)."""
+"""The tools that lose workers on purpose: the soak (``gpushuffle soak``, a
+few seeded rounds on Nanny workers here, and the check it relies on
+catching what is wrong; longer soaks are run by hand, docs/development.md)
+and the loss benchmark (``gpushuffle bench --kill-at``), once each."""
 
 from __future__ import annotations
 
@@ -65,3 +66,18 @@ def test_a_short_soak_is_right_and_leaves_nothing_behind(tmp_path):
     assert len(rounds) == 4 and all(r["right"] for r in rounds), result.output
     assert sum(r["killed"] for r in rounds) >= 2, result.output
     assert "every round right and clean" in result.output
+
+
+@pytest.mark.recovery
+@pytest.mark.timeout(600)
+def test_the_loss_benchmark_kills_a_worker_and_checks_the_results(tmp_path):
+    """``gpushuffle bench --kill-at``: one loss per run with losses, the
+    results of both runs compared with the tasks shuffle's."""
+    out = tmp_path / "loss.json"
+    args = ["bench", "--rows", "400000", "--partitions", "8", "--workers", "3"]
+    args += ["--repeat", "1", "--kill-at", "0.3", "--methods", "gpushuffle", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (run,) = json.loads(out.read_text())["results"]
+    assert run["method"] == "gpushuffle" and run["kills"] == 1, run
+    assert run["correct"] and run["fault_s"] is not None, run

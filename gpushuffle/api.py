@@ -568,7 +568,7 @@ def shuffle(
 
 def _worker_statistics() -> dict[str, Any]:
     from gpushuffle import transport
-    from gpushuffle.engine import copies
+    from gpushuffle.engine import copies, recovery
     from gpushuffle.engine.memory import worker_memory
     from gpushuffle.engine.pool import host_pool
 
@@ -579,6 +579,7 @@ def _worker_statistics() -> dict[str, Any]:
     row.update(copies.statistics.as_dict())
     row.update(copies.busy.as_dict())
     row.update(copies.spent.as_dict())
+    row.update(recovery.statistics.as_dict())
     return row
 
 
@@ -631,9 +632,22 @@ def statistics(client: Any) -> Any:
     gpushuffle's path copied (``copied_split_bytes``, ``copied_send_bytes``,
     ..., :mod:`gpushuffle.engine.copies`), the nanoseconds each stage was
     under way (``busy_split_ns``, ...) and spent in it, summed over its
-    operations (``spent_split_ns``, ...).
+    operations (``spent_split_ns``, ...); and what partial recovery did after
+    workers were lost (``recovery_runs`` that adopted what a failed run left,
+    ``recovery_bytes_kept`` and ``recovery_bytes_dropped`` by them,
+    ``recovery_partitions_taken`` from lost workers, ``recovery_bytes_resent``,
+    ``recovery_inputs_split`` and ``recovery_inputs_skipped``: a worker's
+    own, gone with it if it is lost).  A worker that cannot answer (leaving)
+    has no row.
     """
     import pandas as pd
 
-    rows = client.run(_worker_statistics)
+    # A worker leaving as it is asked (killed, its Nanny restarting it) has
+    # no row: its counters went with it.
+    rows = {}
+    for worker, row in client.run(_worker_statistics, on_error="return").items():
+        if isinstance(row, BaseException) and not isinstance(row, OSError):
+            raise row
+        if not isinstance(row, OSError):  # CommClosedError is one
+            rows[worker] = row
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("worker")

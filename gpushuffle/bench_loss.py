@@ -46,7 +46,7 @@ class LossResult:
     correct: bool
     error: str | None = None
     #: gpushuffle's recovery counters summed over the workers that survived
-    #: (``recovery_...``; a killed worker's are gone with it).
+    #: (``recovery_...``; a killed worker's are gone with it: :func:`recovered`).
     recovery: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -56,12 +56,6 @@ class LossResult:
 
 def _pid() -> int:
     return os.getpid()
-
-
-def _recovery_counters() -> dict[str, int]:
-    from gpushuffle.engine import recovery
-
-    return recovery.statistics.as_dict()
 
 
 class Killer:
@@ -227,7 +221,7 @@ def run_loss_benchmark(
                     kills=killer.kills - kills_before,
                     correct=clean == truth and (got is None or got == truth),
                     error=error,
-                    recovery={k: after.get(k, 0) - before.get(k, 0) for k in after},
+                    recovery=recovered(before, after),
                 )
                 results.append(result)
                 if on_result is not None:
@@ -248,18 +242,21 @@ def run_loss_benchmark(
     return results, context
 
 
-def recovery_counters(client: Any) -> dict[str, int]:
-    """The workers' recovery counters, summed (a worker restarting is left out)."""
-    rows = client.run(_recovery_counters, on_error="return").values()
-    return sum_counters(row for row in rows if isinstance(row, dict))
+def recovery_counters(client: Any) -> Any:
+    """The workers' recovery counters (``gpushuffle.statistics``), a row each."""
+    from gpushuffle.api import statistics
+
+    frame = statistics(client)
+    return frame[[c for c in frame.columns if c.startswith("recovery_")]]
 
 
-def sum_counters(rows: Any) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for row in rows:
-        for key, value in row.items():
-            total[key] = total.get(key, 0) + int(value)
-    return total
+def recovered(before: Any, after: Any) -> dict[str, int]:
+    """What the workers present at both :func:`recovery_counters` recovered
+    in between (a lost worker's counters go with it; its replacement's start
+    at nothing, and it takes no partition in the run that recovers)."""
+    both = before.index.intersection(after.index)
+    delta = after.loc[both] - before.loc[both]
+    return {c: int(delta[c].sum()) for c in delta.columns}
 
 
 def summarize_losses(results: Sequence[LossResult]) -> list[dict[str, Any]]:

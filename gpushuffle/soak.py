@@ -51,7 +51,7 @@ class Round:
         kills: list[float] = []
         for _ in range(rng.choice((0, 1, 1, 1, 2, 2))):
             # Two at once now and then: a host's workers, or a correlated fault.
-            at = kills[-1] if kills and rng.random() < 0.3 else rng.uniform(0.02, 1.1)
+            at = kills[-1] if kills and rng.random() < 0.3 else rng.uniform(0.02, 0.95)
             kills.append(round(at, 3))
         return cls(
             number=number,
@@ -184,7 +184,7 @@ def _computation(frames: list[Any], spec: Round, method: str) -> Any:
 def _run_round(
     client: Any, cluster: Any, spec: Round, workers: int, give_up_after: float
 ) -> RoundResult:
-    from gpushuffle.bench_loss import Killer, all_workers_back, recovery_counters
+    from gpushuffle.bench_loss import Killer, all_workers_back, recovered, recovery_counters
 
     all_workers_back(client, cluster, workers)
     frames = _inputs(client, spec)
@@ -225,7 +225,7 @@ def _run_round(
         killed=killer.kills,
         right=not problems,
         problem="; ".join(problems) or None,
-        recovery={k: after.get(k, 0) - before.get(k, 0) for k in after},
+        recovery=recovered(before, after),
     )
 
 

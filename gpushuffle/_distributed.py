@@ -96,17 +96,36 @@ def known_run(
     return run
 
 
-def prepare_schedulers(shuffle_id: ShuffleId) -> None:
+def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
     """Give the schedulers in this process what gpushuffle's runs ask of them
     (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`), before any
     worker creates a run of ``shuffle_id``: called by
-    ``ShuffleSpec.create_new_run`` on the scheduler's event loop."""
+    ``ShuffleSpec.create_new_run`` on the scheduler's event loop.  Returns them."""
     # None where distributed's Scheduler no longer keeps its instances (the
     # output tasks are not pinned then either: pin_output_tasks).
-    for scheduler in list(getattr(Scheduler, "_instances", ())):
+    schedulers = list(getattr(Scheduler, "_instances", ()))
+    for scheduler in schedulers:
         scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
         ops_known(scheduler)
         _added(scheduler, ReleaseFailedRuns).shuffles.add(shuffle_id)
+    return schedulers
+
+
+def add_dashboard_page(scheduler: Scheduler, route: str, make_doc: Callable[..., None]) -> bool:
+    """Serve ``make_doc(scheduler, extra, doc)`` at ``route`` of the
+    scheduler's dashboard, as distributed serves its own pages; False where
+    there is no dashboard (it is off, or bokeh is missing)."""
+    http = getattr(scheduler, "http_application", None)
+    bokeh_apps = [a for a in getattr(http, "applications", ()) if hasattr(a, "prefix")]
+    if http is None or not bokeh_apps:
+        return False
+    from distributed.dashboard.core import BokehApplication
+    from tornado.ioloop import IOLoop
+
+    app = BokehApplication({route: make_doc}, scheduler, prefix=bokeh_apps[0].prefix)
+    http.add_application(app)
+    app.initialize(IOLoop.current())
+    return True
 
 
 def pin_output_tasks(
@@ -517,6 +536,7 @@ __all__ = [
     "_is_numeric_cast_type",
     "_select_columns_or_index",
     "_tokenize_deterministic",
+    "add_dashboard_page",
     "barrier_key",
     "combine_hash_arrays",
     "execute_subgraph",

@@ -9,6 +9,7 @@ holds, and what it wrote to and read back from its spill files.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import urllib.request
@@ -90,3 +91,70 @@ def test_the_shuffling_panel_shows_the_store_against_its_budget():
         out = futures.result()
         assert len(out) == n
     reset_worker_memory()
+
+
+@pytest.mark.recovery
+def test_the_recovery_page_shows_the_lost_worker_and_what_moved():
+    """``/gpushuffle`` on the scheduler's dashboard, after a worker of three
+    is closed mid-transfer under partial recovery: the recovery (the worker
+    lost, its third of the output partitions moved) and the survivors'
+    counters from their heartbeats."""
+    from bokeh.document import Document
+    from distributed import Scheduler, Worker
+    from faults import (
+        TRANSFER,
+        assert_correct,
+        gpushuffled,
+        truth,
+        wait_for,
+        wait_for_shuffle,
+        wait_for_tasks,
+    )
+    from test_faults import NIN, NOUT, ROWS
+    from tornado.httpclient import AsyncHTTPClient
+
+    from gpushuffle import dashboard
+
+    async def main() -> None:
+        settings = {
+            "gpushuffle.recovery": "partial",
+            # Shards go at once (none held back to wait for others): these
+            # arrive before the loss and are kept.
+            "gpushuffle.comm.message-bytes-limit": "256 KiB",
+        }
+        with dask.config.set(settings):
+            async with Scheduler(
+                host="127.0.0.1", port=0, dashboard=True, dashboard_address="127.0.0.1:0"
+            ) as s:
+                workers = [Worker(s.address, nthreads=1) for _ in range(3)]
+                await asyncio.gather(*workers)
+                try:
+                    async with Client(s.address, asynchronous=True) as c:
+                        await check(c, s, workers[1])
+                finally:
+                    await asyncio.gather(*(w.close() for w in workers))
+
+    async def check(c: Any, s: Any, lost: Any) -> None:
+        expected = truth(NIN, ROWS, NOUT)
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, TRANSFER, "memory", NIN // 2)
+        await lost.close()
+        assert_correct(await c.gather(futures), expected)
+        rows = dashboard.recovery_rows()
+        assert shuffle_id in rows["shuffle"], rows
+        i = rows["shuffle"].index(shuffle_id)
+        assert rows["lost"][i] == lost.address and rows["moved"][i] == NOUT // 3, rows
+        assert rows["survivors"][i] == 2, rows
+        url = f"http://127.0.0.1:{s.http_server.port}{dashboard.ROUTE}"
+        page = await AsyncHTTPClient().fetch(url)
+        assert page.code == 200 and b"bokeh" in page.body.lower()
+        await wait_for(lambda: sum(dashboard.worker_rows(s)["runs"]) > 0, 10, "a heartbeat")
+        table = dashboard.worker_rows(s)
+        assert lost.address not in table["worker"] and len(table["worker"]) == 2, table
+        assert all(n > 0 for n in table["bytes_kept"]), table
+        doc = Document()
+        dashboard.recovery_doc(s, {}, doc)
+        assert doc.roots
+
+    asyncio.run(main())

@@ -42,7 +42,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -131,6 +132,24 @@ def stable_assignment(
     return worker_for, moved
 
 
+@dataclass(frozen=True)
+class Recovered:
+    """One recovery as the scheduler planned it (the dashboard's table)."""
+
+    time: float
+    shuffle_id: str
+    lost: tuple[str, ...]
+    #: Output partitions moved from lost workers, outputs already built and
+    #: kept, and the workers that took part in the new run.
+    moved: int
+    built: int
+    survivors: int
+
+
+#: The recoveries planned in this process (on the scheduler), newest last.
+history: deque[Recovered] = deque(maxlen=1000)
+
+
 def plan_run(
     shuffle_id: str,
     partitions: Iterable[int],
@@ -149,13 +168,15 @@ def plan_run(
     worker_for, moved = assignment
     lost = tuple(sorted({w for w in previous.values() if w not in alive}))
     plan = RunPlan(worker_for=worker_for, done=frozenset(built), moved=tuple(moved), lost=lost)
+    survivors = len(set(worker_for.values()))
+    history.append(Recovered(time.time(), shuffle_id, lost, len(moved), len(plan.done), survivors))
     logger.info(
         "gpushuffle %s recovers: lost %s; %d output partitions moved to %d survivors, "
         "%d outputs already built kept",
         shuffle_id,
         ", ".join(lost) or "no worker",
         len(moved),
-        len(set(worker_for.values())),
+        survivors,
         len(plan.done),
     )
     return plan

@@ -1010,9 +1010,11 @@ class GPUShuffleSpec(ShuffleSpec[int]):
         return workers[len(workers) * partition // self.npartitions]
 
     def create_new_run(self, worker_for: dict[int, str], span_id: str | None) -> Any:
+        from gpushuffle import dashboard
         from gpushuffle.engine.graph import output_partition_of
 
-        prepare_schedulers(self.id)
+        for scheduler in prepare_schedulers(self.id):
+            dashboard.install(scheduler)
         spec = self
         if self.partial_recovery:
             spec, worker_for = recovery.next_run(self, worker_for)

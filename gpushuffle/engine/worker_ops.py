@@ -33,7 +33,17 @@ def install(worker: Worker, plugin: ShuffleWorkerPlugin) -> None:
     worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
     worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
     worker.handlers.setdefault(HELD, _held_handler(plugin))
+    # In every heartbeat: the scheduler's dashboard page draws it (gpushuffle.dashboard).
+    worker.metrics.setdefault(RECOVERY_METRIC, _recovery_counters)
     _say_ops_known(worker)
+
+
+#: The worker metric (``Worker.metrics``) with the worker's recovery counters.
+RECOVERY_METRIC = "gpushuffle-recovery"
+
+
+def _recovery_counters(worker: Worker) -> dict[str, int]:
+    return recovery.statistics.as_dict()
 
 
 def _say_ops_known(worker: Worker) -> None:

@@ -100,7 +100,8 @@ def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
     """Give the schedulers in this process what gpushuffle's runs ask of them
     (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`), before any
     worker creates a run of ``shuffle_id``: called by
-    ``ShuffleSpec.create_new_run`` on the scheduler's event loop.  Returns them."""
+    ``ShuffleSpec.create_new_run`` on the scheduler's event loop.  Returns the
+    one that holds the shuffle's barrier (the one running this), if found."""
     # None where distributed's Scheduler no longer keeps its instances (the
     # output tasks are not pinned then either: pin_output_tasks).
     schedulers = list(getattr(Scheduler, "_instances", ()))
@@ -108,7 +109,8 @@ def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
         scheduler.handlers.setdefault(RESTRICT_OUTPUT_TASK, _restrict_handler(scheduler))
         ops_known(scheduler)
         _added(scheduler, ReleaseFailedRuns).shuffles.add(shuffle_id)
-    return schedulers
+    key = barrier_key(shuffle_id)
+    return [scheduler for scheduler in schedulers if key in scheduler.tasks]
 
 
 def add_dashboard_page(scheduler: Scheduler, route: str, make_doc: Callable[..., None]) -> bool:
@@ -125,6 +127,9 @@ def add_dashboard_page(scheduler: Scheduler, route: str, make_doc: Callable[...,
     app = BokehApplication({route: make_doc}, scheduler, prefix=bokeh_apps[0].prefix)
     http.add_application(app)
     app.initialize(IOLoop.current())
+    # As distributed's own pages: without it bokeh never expires a session
+    # (each view's periodic refresh would run for good).
+    app.start()
     return True
 
 

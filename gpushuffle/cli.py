@@ -657,15 +657,27 @@ def demo(rows: int, partitions: int, workers: int) -> None:
 )
 @click.option("--workers", type=click.IntRange(min=2), default=4, show_default=True)
 @click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run each round this many times (a fault that shows now and then).",
+)
+@click.option(
     "--recovery",
     type=click.Choice(["partial", "restart"]),
-    default="partial",
-    show_default=True,
-    help="gpushuffle.recovery for the rounds.",
+    default=None,
+    help="gpushuffle.recovery for the rounds.  [default: as configured]",
 )
 @click.option("--json", "json_path", default=None, help="Write per-round results here.")
 def soak(
-    rounds: int, seed: int, first: int, workers: int, recovery: str, json_path: str | None
+    rounds: int,
+    seed: int,
+    first: int,
+    workers: int,
+    repeat: int,
+    recovery: str | None,
+    json_path: str | None,
 ) -> None:
     """Many seeded rounds of shuffles and merges with workers SIGKILLed at
     random moments, every output partition checked against the tasks method
@@ -683,12 +695,14 @@ def soak(
             first=first,
             workers=workers,
             recovery=recovery,
+            repeat=repeat,
             on_result=progress,
         )
     wrong = [r.round.number for r in results if not r.right]
     killed = sum(r.killed for r in results)
+    mode = results[0].round.recovery if results else recovery
     click.echo(
-        f"{len(results)} rounds (seed {seed}), {killed} workers killed, recovery {recovery}: "
+        f"{len(results)} rounds (seed {seed}), {killed} workers killed, recovery {mode}: "
         + (f"rounds {wrong} went WRONG" if wrong else "every round right and clean")
     )
     if json_path:

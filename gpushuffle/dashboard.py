@@ -18,6 +18,7 @@ gpushuffle is imported there), so it appears with the first shuffle.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from gpushuffle._distributed import add_dashboard_page
 from gpushuffle.engine import recovery
 from gpushuffle.engine.worker_ops import RECOVERY_METRIC
+
+logger = logging.getLogger(__name__)
 
 #: The page's route on the scheduler's dashboard.
 ROUTE = "/gpushuffle"
@@ -42,11 +45,15 @@ _served: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def install(scheduler: Any) -> None:
-    """Serve the page on ``scheduler``'s dashboard (once; not where it has none)."""
+    """Serve the page on ``scheduler``'s dashboard (once; not where it has
+    none).  A page that cannot be made is logged, never a shuffle's failure."""
     if scheduler in _served:
         return
     _served.add(scheduler)
-    add_dashboard_page(scheduler, ROUTE, recovery_doc)
+    try:
+        add_dashboard_page(scheduler, ROUTE, recovery_doc)
+    except Exception:
+        logger.warning("gpushuffle could not add its dashboard page %s", ROUTE, exc_info=True)
 
 
 def recovery_rows() -> dict[str, Any]:

@@ -96,6 +96,14 @@ def differences(got: pd.DataFrame, truth: pd.DataFrame) -> list[int]:
     return [int(i) for i in np.flatnonzero((got != truth).any(axis=1).to_numpy())]
 
 
+def _described(wrong: list[int], got: pd.DataFrame, truth: pd.DataFrame) -> str:
+    """Which output partitions differ from the truth, with their rows."""
+    if wrong == [-1]:
+        return f"{len(got)} output partitions, tasks has {len(truth)}"
+    rows = [f"{p} ({got['rows'].iloc[p]} rows, tasks {truth['rows'].iloc[p]})" for p in wrong[:10]]
+    return f"output partitions differ from tasks: {', '.join(rows)}"
+
+
 def _leftovers(dask_worker: Any) -> dict[str, Any]:
     """What shuffles left on a worker (nothing, once a round is over)."""
     from gpushuffle.engine import recovery
@@ -122,16 +130,20 @@ def run_soak(
     seed: int = 0,
     first: int = 0,
     workers: int = 4,
-    recovery: str = "partial",
+    recovery: str | None = None,
+    repeat: int = 1,
     give_up_after: float = 20.0,
     on_result: Callable[[RoundResult], None] | None = None,
 ) -> list[RoundResult]:
-    """Rounds ``first`` to ``first + rounds - 1`` of the soak drawn from ``seed``."""
+    """Rounds ``first`` to ``first + rounds - 1`` of the soak drawn from
+    ``seed``, each ``repeat`` times; ``recovery`` None: as configured."""
     import dask
     from distributed import Client
 
+    from gpushuffle import config
     from gpushuffle.bench import benchmark_cluster
 
+    recovery = recovery or str(config.get("recovery"))
     results = []
     settings = {
         "distributed.worker.memory.terminate": False,
@@ -149,10 +161,11 @@ def run_soak(
     ):
         for number in range(first, first + rounds):
             spec = Round.draw(seed, number, recovery)
-            result = _run_round(client, cluster, spec, workers, give_up_after)
-            results.append(result)
-            if on_result is not None:
-                on_result(result)
+            for _ in range(repeat):
+                result = _run_round(client, cluster, spec, workers, give_up_after)
+                results.append(result)
+                if on_result is not None:
+                    on_result(result)
     return results
 
 
@@ -194,7 +207,7 @@ def _run_round(
     no_fault = time.perf_counter() - start
     problems = []
     if wrong := differences(clean, truth):
-        problems.append(f"no-fault run: output partitions {wrong} differ from tasks")
+        problems.append(f"no-fault run: {_described(wrong, clean, truth)}")
     before = recovery_counters(client)
     killer = Killer(client, random.Random(f"kills-{spec.number}"))
     future = client.compute(_computation(frames, spec, "gpushuffle"))
@@ -205,7 +218,7 @@ def _run_round(
         got = future.result(timeout=give_up_after * no_fault + 30)
         fault_s = time.perf_counter() - start
         if wrong := differences(got, truth):
-            problems.append(f"run with losses: output partitions {wrong} differ from tasks")
+            problems.append(f"run with losses: {_described(wrong, got, truth)}")
     except TimeoutError:
         problems.append(f"run with losses: not finished in {give_up_after:g}x + 30 s")
     except Exception as e:
@@ -234,7 +247,9 @@ def _left_behind(client: Any, wait_s: float = 20.0) -> dict[str, Any]:
     (runs close and kept stores go asynchronously)."""
     deadline = time.monotonic() + wait_s
     while True:
-        left = {w: v for w, v in client.run(_leftovers, on_error="return").items() if v}
+        # A worker that cannot answer (an OSError: leaving) is not counted.
+        answers = client.run(_leftovers, on_error="return").items()
+        left = {w: v for w, v in answers if not isinstance(v, OSError) and v}
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

@@ -54,19 +54,20 @@ def test_rounds_are_drawn_from_the_seed_alone():
 @pytest.mark.recovery
 @pytest.mark.timeout(600)
 def test_a_short_soak_is_right_and_leaves_nothing_behind(tmp_path):
-    """Four rounds (seed 0: shuffles and merges, one and two losses) on
-    three Nanny workers: every output partition of every run equal to the
-    tasks method's, nothing left on the workers."""
+    """Four rounds (seed 49: shuffles and a merge, one and two losses, every
+    one within the first half of the no-fault time) on three Nanny workers,
+    with the default recovery (``restart``; round 2 is the one that found
+    ``partial`` missing rows, 1 run in about 10): every output partition of
+    every run equal to the tasks method's, nothing left on the workers."""
     out = tmp_path / "soak.json"
     result = CliRunner().invoke(
-        main, ["soak", "--rounds", "4", "--seed", "0", "--workers", "3", "--json", str(out)]
+        main, ["soak", "--rounds", "4", "--seed", "49", "--workers", "3", "--json", str(out)]
     )
     assert result.exit_code == 0, result.output
     rounds = json.loads(out.read_text())
     assert len(rounds) == 4 and all(r["right"] for r in rounds), result.output
+    assert {r["round"]["recovery"] for r in rounds} == {"restart"}
     assert sum(r["killed"] for r in rounds) >= 2, result.output
-    # Counted by gpushuffle.statistics: survivors adopted what they held.
-    assert sum(r["recovery"].get("recovery_runs", 0) for r in rounds) > 0, result.output
     assert "every round right and clean" in result.output
 
 

@@ -146,7 +146,8 @@ class Recovered:
     survivors: int
 
 
-#: The recoveries planned in this process (on the scheduler), newest last.
+#: The recoveries planned in this process (on the scheduler), newest last;
+#: a join's, once (its first side's).
 history: deque[Recovered] = deque(maxlen=1000)
 
 
@@ -169,7 +170,6 @@ def plan_run(
     lost = tuple(sorted({w for w in previous.values() if w not in alive}))
     plan = RunPlan(worker_for=worker_for, done=frozenset(built), moved=tuple(moved), lost=lost)
     survivors = len(set(worker_for.values()))
-    history.append(Recovered(time.time(), shuffle_id, lost, len(moved), len(plan.done), survivors))
     logger.info(
         "gpushuffle %s recovers: lost %s; %d output partitions moved to %d survivors, "
         "%d outputs already built kept",
@@ -198,10 +198,15 @@ def next_run(spec: Any, worker_for: dict[int, str]) -> tuple[Any, dict[int, str]
     if plan is None:
         return spec, worker_for
     # A join's second side takes the mapping distributed aligned with the
-    # first side's (already recovering): adopting stores drop what moved
-    # away from their worker.
+    # first side's (already recovering, and recorded): adopting stores drop
+    # what moved away from their worker.
     if not previous.aligned:
         worker_for = plan.worker_for
+        survivors = len(set(worker_for.values()))
+        record = Recovered(
+            time.time(), spec.id, plan.lost, len(plan.moved), len(plan.done), survivors
+        )
+        history.append(record)
     generation = previous.spec.generation + 1
     return dataclasses.replace(spec, generation=generation, done=plan.done), worker_for
 

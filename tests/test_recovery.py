@@ -154,6 +154,51 @@ def test_an_adopted_store_keeps_whole_inputs_and_drops_partial_ones(tmp_path):
     store.close()
 
 
+def test_a_run_failed_before_its_adoption_hands_on_the_buckets_of_the_run_before(tmp_path):
+    """Run 2 took output partition 2 over from a lost worker, and failed (a
+    second loss) while its adoption still waited for the store's lock: the
+    store still holds run 1's shards, input 1 whole for partitions 0 and 1.
+    What it hands to run 3 must say so; run 2's own buckets (every
+    partition in bucket 0 until adopted) would say partition 2 holds input
+    1 too, and no sender would send input 1's rows for it again."""
+    from types import SimpleNamespace
+
+    backend = PandasBackend()
+    store = store_for(backend, make_memory(host=None), tmp_path)
+    run1, address = object(), "tcp://survivor:1"
+    store.hand_over(run1)
+
+    async def scenario() -> recovery.Buckets:
+        await store.put(_shard(backend, 1), owner=run1)
+        store.hand_over(None)
+        held = recovery.Holding(run_id=1, store=store, bucket_of={0: 0, 1: 0})
+        run2 = SimpleNamespace(
+            spec=SimpleNamespace(generation=1),
+            id="s",
+            run_id=2,
+            local_address=address,
+            received=set(),
+            store=store,
+            offload=store._offload,
+        )
+        async with store._evicting:  # a move to disk under way: the adoption waits
+            kept = recovery.RunRecovery(run2, [0, 1, 2], held)
+            await asyncio.sleep(0.01)
+            assert kept.adoption is not None and not kept.adoption.done()
+            assert kept.hand_over(store, SimpleNamespace(plugins={}), hold_s=60)
+        await asyncio.sleep(0.01)
+        assert kept.adoption.cancelled()
+        handed = recovery.holdings.take(address, "s")
+        assert handed is not None and handed.bucket_of == {0: 0, 1: 0}
+        buckets, _ = await recovery.adopt(handed, [0, 1, 2], 2, owner=run2)
+        return buckets
+
+    buckets = asyncio.run(scenario())
+    # Input 1: whole in partitions 0 and 1; wanted again for partition 2 only.
+    assert [buckets.partitions[b].tolist() for b in buckets.wants(1)] == [[2]]
+    store.close()
+
+
 # -- live clusters ----------------------------------------------------------------------
 
 

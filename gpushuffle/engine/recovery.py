@@ -396,6 +396,8 @@ class RunRecovery:
         self.keep_on_fail = False
         self.handed_over = False
         self.adoption: asyncio.Future[None] | None = None
+        #: What this run adopts: until it has, the store is as that left it.
+        self._holding = holding
         if self.generation:
             self.adoption = asyncio.ensure_future(self._adopt(holding, mine))
 
@@ -453,19 +455,36 @@ class RunRecovery:
         if self.generation:
             statistics.add(bytes_resent=nbytes)
 
-    def hand_over(self, store: ShardStore, worker: Any, hold_s: float) -> None:
+    def hand_over(self, store: ShardStore, worker: Any, hold_s: float) -> bool:
         """The run failed by a peer's loss, told to keep: ``store`` waits for
-        the next run here (closed if none takes it within ``hold_s``)."""
+        the next run here (closed if none takes it within ``hold_s``), with
+        the buckets that describe what it holds.  False where nothing can be
+        kept (an adoption that failed left the store in doubt)."""
+        bucket_of = self.bucket_of
+        if self.adoption is not None and not self.adoption.done():
+            # Not adopted yet (its adoption waits for the store's lock): the
+            # store is still as the run before left it, and so are its
+            # buckets; this run's own (all in bucket 0 until adopted) would
+            # have the next run believe partitions taken over here hold
+            # inputs they never received.  The adoption must not go on.
+            self.adoption.cancel()
+            if self._holding is not None:
+                bucket_of = self._holding.bucket_of
+        elif self.adoption is not None and (
+            self.adoption.cancelled() or self.adoption.exception() is not None
+        ):
+            return False
         self.handed_over = True
         store.hand_over(None)
         release_on_close(worker)
         holdings.hand_over(
             self.run.local_address,
             self.run.id,
-            Holding(run_id=self.run.run_id, store=store, bucket_of=self.bucket_of),
+            Holding(run_id=self.run.run_id, store=store, bucket_of=bucket_of),
             asyncio.get_running_loop(),
             hold_s,
         )
+        return True
 
     def cancel(self) -> None:
         if self.adoption is not None and not self.adoption.done():

@@ -33,8 +33,12 @@ def install(worker: Worker, plugin: ShuffleWorkerPlugin) -> None:
     worker.stream_handlers.setdefault(KEEP_RUN, functools.partial(_keep_run, plugin))
     worker.stream_handlers.setdefault(DROP_KEPT, functools.partial(_drop_kept, worker.address))
     worker.handlers.setdefault(HELD, _held_handler(plugin))
-    # In every heartbeat: the scheduler's dashboard page draws it (gpushuffle.dashboard).
-    worker.metrics.setdefault(RECOVERY_METRIC, _recovery_counters)
+    # In every heartbeat: the scheduler's dashboard page draws it
+    # (gpushuffle.dashboard).  A new dict, not an item added: a heartbeat
+    # under way iterates the old one across awaits, and a dict changed
+    # during that fails the heartbeat, which closes the worker.
+    if RECOVERY_METRIC not in worker.metrics:
+        worker.metrics = {**worker.metrics, RECOVERY_METRIC: _recovery_counters}
     _say_ops_known(worker)
 
 

@@ -65,6 +65,9 @@ class Killer:
         self.client = client
         self.random = rng
         self.kills = 0
+        #: (seconds from start, address) of each kill.
+        self.killed: list[tuple[float, str]] = []
+        self._started = time.perf_counter()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,13 +78,16 @@ class Killer:
             if isinstance(pid, int)
         }
         if pids:
-            os.kill(pids[self.random.choice(sorted(pids))], signal.SIGKILL)
+            address = self.random.choice(sorted(pids))
+            os.kill(pids[address], signal.SIGKILL)
             self.kills += 1
+            self.killed.append((round(time.perf_counter() - self._started, 3), address))
 
     def start(self, moments_s: Iterable[float]) -> None:
         """Kill one worker at each of ``moments_s`` (seconds from now, in
         order) until :meth:`stop`."""
         self._done.clear()
+        self._started = time.perf_counter()
 
         def loop() -> None:
             started = time.perf_counter()

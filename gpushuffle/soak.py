@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from dask import delayed as dask_delayed
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +83,17 @@ def output_digest(part: pd.DataFrame) -> pd.DataFrame:
     """One row per output partition: its rows and the sum of its rows'
     hashes over every column (wraps exactly, independent of row order)."""
     hashes = pd.util.hash_pandas_object(part, index=False).to_numpy()
-    return pd.DataFrame(
-        {"rows": [len(part)], "hash_sum": [int(hashes.sum(dtype=np.uint64))]},
-    )
+    # As int64 (the same bits): a uint64 column above 2**63 concatenated with
+    # an empty partition's would become float64 and lose its low bits.
+    total = np.array([hashes.sum(dtype=np.uint64)], dtype=np.uint64).view(np.int64)
+    return pd.DataFrame({"rows": [len(part)], "hash_sum": total})
 
 
 def differences(got: pd.DataFrame, truth: pd.DataFrame) -> list[int]:
     """Output partitions whose digest differs from the truth's (all of
     them, as ``[-1]``, when the numbers of partitions differ)."""
     got, truth = got.reset_index(drop=True), truth.reset_index(drop=True)
+    got, truth = got[["rows", "hash_sum"]], truth[["rows", "hash_sum"]]
     if len(got) != len(truth):
         return [-1]
     return [int(i) for i in np.flatnonzero((got != truth).any(axis=1).to_numpy())]
@@ -184,14 +187,75 @@ def _inputs(client: Any, spec: Round) -> list[Any]:
     return frames
 
 
-def _computation(frames: list[Any], spec: Round, method: str) -> Any:
+def _output(frames: list[Any], spec: Round, method: str) -> Any:
     if spec.operation == "merge":
         left, right = frames
-        out = left.merge(right, on="key", npartitions=spec.npartitions, shuffle_method=method)
-    else:
-        out = frames[0].shuffle(on="key", npartitions=spec.npartitions, shuffle_method=method)
-    meta = output_digest(out._meta)
-    return out.map_partitions(output_digest, meta=meta)
+        return left.merge(right, on="key", npartitions=spec.npartitions, shuffle_method=method)
+    return frames[0].shuffle(on="key", npartitions=spec.npartitions, shuffle_method=method)
+
+
+def fingerprint(part: pd.DataFrame) -> pd.DataFrame:
+    """:func:`output_digest`, with each row's hash and key (one array
+    each, in object columns): a wrong partition's rows can be named."""
+    digest = output_digest(part)
+    hashes = pd.util.hash_pandas_object(part, index=False).to_numpy()
+    digest["hashes"] = pd.Series([hashes], dtype=object)
+    digest["keys"] = pd.Series([part["key"].to_numpy()], dtype=object)
+    return digest
+
+
+def _computation(frames: list[Any], spec: Round, method: str) -> Any:
+    out = _output(frames, spec, method)
+    # Fused with the output tasks by dask: what comes back is small.
+    return out.map_partitions(fingerprint, meta=fingerprint(out._meta))
+
+
+def unmatched(got: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions in ``truth`` of the row hashes ``got`` lacks, and in ``got``
+    of those beyond ``truth`` (multisets: a row held twice counts twice)."""
+
+    def numbered(hashes: np.ndarray) -> pd.MultiIndex:
+        h = pd.Series(hashes)
+        return pd.MultiIndex.from_arrays([h, h.groupby(h).cumcount()])
+
+    g, t = numbered(got), numbered(truth)
+    return np.flatnonzero(~t.isin(g)), np.flatnonzero(~g.isin(t))
+
+
+def _rows_with_keys(part: pd.DataFrame, keys: Any) -> list[int]:
+    return np.flatnonzero(part["key"].isin(keys).to_numpy()).tolist()
+
+
+def explain(
+    client: Any, frames: list[Any], got: pd.DataFrame, truth: pd.DataFrame, wrong: list[int]
+) -> list[str]:
+    """For each wrong output partition (the first three): how many rows it
+    lacks or has beyond ``tasks``' and which input rows share their keys
+    (frame 0 the left side of a merge)."""
+    lines = []
+    for partition in [p for p in wrong if p >= 0][:3]:
+        mine, theirs = got.iloc[partition], truth.iloc[partition]
+        missing, extra = unmatched(mine["hashes"], theirs["hashes"])
+        for what, keys in (
+            ("missing", theirs["keys"][missing]),
+            ("extra", mine["keys"][extra]),
+        ):
+            if not (count := len(keys)):
+                continue
+            keys = sorted(set(keys[:10].tolist()))
+            where = []
+            for side, frame in enumerate(frames):
+                found = client.gather(
+                    client.compute(
+                        [dask_delayed(_rows_with_keys)(d, keys) for d in frame.to_delayed()]
+                    )
+                )
+                where += [f"frame {side} input {i} rows {r}" for i, r in enumerate(found) if r]
+            lines.append(
+                f"output {partition}: {count} rows {what}, keys {keys}; "
+                f"rows with them: {'; '.join(where)}"
+            )
+    return lines
 
 
 def _run_round(
@@ -219,6 +283,12 @@ def _run_round(
         fault_s = time.perf_counter() - start
         if wrong := differences(got, truth):
             problems.append(f"run with losses: {_described(wrong, got, truth)}")
+            killer.stop()
+            problems.append(f"killed: {killer.killed}")
+            try:
+                problems.extend(explain(client, frames, got, truth, wrong))
+            except Exception as e:  # a diagnosis only: the verdict stands
+                problems.append(f"rows not explained: {e!r}"[:200])
     except TimeoutError:
         problems.append(f"run with losses: not finished in {give_up_after:g}x + 30 s")
     except Exception as e:

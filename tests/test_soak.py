@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 from gpushuffle.cli import main
-from gpushuffle.soak import Round, differences, output_digest
+from gpushuffle.soak import (
+    Round,
+    differences,
+    explain,
+    fingerprint,
+    output_digest,
+    unmatched,
+)
 
 
 def _part(keys: list[int], names: list[str]) -> pd.DataFrame:
@@ -38,6 +46,37 @@ def test_the_digest_sees_a_row_moved_changed_or_lost_but_not_the_order():
     assert differences(changed, truth) == [0]
     lost = pd.concat([output_digest(_part([1, 2, 3], ["a", "b", "c"]))])
     assert differences(lost, truth) == [-1]
+
+
+def test_unmatched_rows_are_counted_as_a_multiset():
+    truth = np.array([5, 7, 7, 9], dtype=np.uint64)
+    # One 7 lost, a 3 that tasks does not have, the order changed.
+    got = np.array([9, 3, 7, 5], dtype=np.uint64)
+    missing, extra = unmatched(got, truth)
+    assert truth[missing].tolist() == [7] and got[extra].tolist() == [3]
+    assert [len(x) for x in unmatched(truth[::-1], truth)] == [0, 0]
+
+
+def test_a_wrong_partition_names_the_input_rows_behind_it(client):
+    """What the soak says of a wrong output: the keys of its missing rows
+    and the input partitions and rows that hold them, on both sides."""
+    import dask.dataframe as dd
+
+    left = dd.from_pandas(pd.DataFrame({"key": range(40), "x": range(40)}), npartitions=4)
+    right = dd.from_pandas(pd.DataFrame({"key": [13, 27], "y": [1.0, 2.0]}), npartitions=2)
+    merged = left.merge(right, on="key", npartitions=2, shuffle_method="tasks")
+    truth = merged.map_partitions(fingerprint).compute().reset_index(drop=True)
+    where = int(np.flatnonzero(truth["rows"].to_numpy())[0])
+    got = truth.copy()
+    # The partition's first row lost.
+    got["hashes"] = [h[1:] if i == where else h for i, h in enumerate(got["hashes"])]
+    lost = int(truth["keys"].iloc[where][0])
+    found = explain(client, [left, right], got, truth, [where])
+    side = 0 if lost < 20 else 1
+    assert found == [
+        f"output {where}: 1 rows missing, keys [{lost}]; rows with them: "
+        f"frame 0 input {lost // 10} rows [{lost % 10}]; frame 1 input {side} rows [0]"
+    ]
 
 
 def test_rounds_are_drawn_from_the_seed_alone():

@@ -12,6 +12,19 @@ buffers alive and unchanged until the receiver has answered, which it does
 anyway (a send returns once the receiver has stored the shards); a send that
 ends any other way leaves them alive until the run closes.
 
+A sender lets go of what it lent only once the receiver answered, or when
+its run closes; a receiver still reading then (its own run not yet told
+that the shuffle failed) would read memory the sender's next split may be
+writing, and store rows that were never sent: harmless where every failed
+run's store is dropped, but a recovering run adopts what the run before it
+stored (:mod:`gpushuffle.engine.recovery`).  So every lent message carries a
+*lease*: a cell in the sender's memory that holds a random value until the
+sender withdraws the lease (zeroes it) as its run closes, before it frees
+anything.  The receiver reads the cell in the same call, after the frames:
+a value that came back unchanged proves the frames were read before the
+sender let go of them; any other raises :class:`LendWithdrawn` and the
+shard is not stored.
+
 The receiver reads only a process it has proved to be the sender, in the
 same system call that reads the data.  Each process keeps a random token
 (:mod:`secrets`, 32 bytes, made anew in a forked child) in its own memory;
@@ -63,6 +76,10 @@ class LendRefused(Exception):
     """The receiver cannot read the sender's memory; send the bytes instead."""
 
 
+class LendWithdrawn(Exception):
+    """The sender let go of lent frames while they were read (its run closed)."""
+
+
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
@@ -101,11 +118,58 @@ TOKEN_BYTES = 32
 _token = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), dtype=np.uint8).copy()
 
 
+#: Lease cells (:class:`Lease`), at one address for the life of the process:
+#: one per run that lends at once, so a few are ever in use.
+_LEASE_CELLS = 4096
+_leases = np.zeros(_LEASE_CELLS, dtype=np.uint64)
+_free_cells = list(range(_LEASE_CELLS))
+
+
 def _new_token() -> None:
-    """A forked child is another process: it must not prove to be its parent."""
+    """A forked child is another process: it must not prove to be its parent,
+    nor hold its leases."""
     global _identity
     _token[:] = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), dtype=np.uint8)
     _identity = None
+    _leases[:] = 0
+    _free_cells[:] = range(_LEASE_CELLS)
+
+
+class Lease:
+    """What makes a lend good: a cell of this process's memory that holds
+    :attr:`value` until :meth:`withdraw` (before anything lent under it is
+    freed).  A reader reads the cell after the frames, in the same call."""
+
+    def __init__(self, cell: int) -> None:
+        self._cell: int | None = cell
+        # Never zero: zero is a withdrawn lease.
+        self.value = secrets.randbits(63) + 1
+        _leases[cell] = self.value
+        self.address = int(_leases.ctypes.data) + cell * _leases.itemsize
+
+    def as_message(self) -> list[int]:
+        return [self.address, self.value]
+
+    @property
+    def withdrawn(self) -> bool:
+        return self._cell is None
+
+    def withdraw(self) -> None:
+        """Void the lease (a reader from now on is refused); idempotent."""
+        with _lock:
+            cell, self._cell = self._cell, None
+            if cell is not None:
+                _leases[cell] = 0
+                _free_cells.append(cell)
+
+
+def new_lease() -> Lease | None:
+    """A lease for a run's lends; None when every cell is taken (send bytes)."""
+    with _lock:
+        if not _free_cells:
+            return None
+        cell = _free_cells.pop()
+    return Lease(cell)
 
 
 if hasattr(os, "register_at_fork"):
@@ -215,7 +279,10 @@ def read(
     array; ``numpy.empty`` by default), each at a multiple of 64 bytes, but
     those marked ``own``, which get a ``numpy.empty`` each.  Raises
     :class:`LendRefused` when they cannot be read from here, or when what
-    was read did not come from the sender (its token did not come back).
+    was read did not come from the sender (its token did not come back),
+    and :class:`LendWithdrawn` when the sender withdrew the lease the lender
+    names (``"lease"``: its cell's address and value) before the frames were
+    all read.
     """
     me = identity()
     if me is None:
@@ -245,13 +312,18 @@ def read(
         _empty(nbytes) if own else block[start : start + nbytes]
         for start, (_, _, nbytes, own) in zip(starts, lent, strict=True)
     ]
-    # Each call reads the token first, then up to IOV_MAX - 1 frames: the
-    # token proves which process that very call read.
-    per_call = _IOV_MAX - 1
+    lease = lender.get("lease")
+    seen = np.zeros(1, dtype=np.uint64)
+    extra = 1 + (lease is not None)
+    # Each call reads the token first, then up to IOV_MAX - 2 frames, then
+    # the lease: the token proves which process that very call read, the
+    # lease that the sender still held every frame read before it (the
+    # kernel reads the iovecs in order).
+    per_call = _IOV_MAX - extra
     for first in range(0, max(len(lent), 1), per_call):
         batch = range(first, min(first + per_call, len(lent)))
-        local = (_Iovec * (len(batch) + 1))()
-        remote = (_Iovec * (len(batch) + 1))()
+        local = (_Iovec * (len(batch) + extra))()
+        remote = (_Iovec * (len(batch) + extra))()
         token[:] = 0
         local[0] = _Iovec(token.ctypes.data, TOKEN_BYTES)
         remote[0] = _Iovec(int(lender["token_address"]), TOKEN_BYTES)
@@ -261,7 +333,12 @@ def read(
             local[k] = _Iovec(buffers[i].ctypes.data, nbytes)
             remote[k] = _Iovec(address, nbytes)
             expected += nbytes
-        got = _readv(pid, local, len(batch) + 1, remote, len(batch) + 1, 0)
+        if lease is not None:
+            seen[0] = 0
+            local[len(batch) + 1] = _Iovec(seen.ctypes.data, seen.nbytes)
+            remote[len(batch) + 1] = _Iovec(int(lease[0]), seen.nbytes)
+            expected += seen.nbytes
+        got = _readv(pid, local, len(batch) + extra, remote, len(batch) + extra, 0)
         if got != expected:
             error = ctypes.get_errno()
             reason = os.strerror(error) if got < 0 else f"read {got} of {expected} bytes"
@@ -270,6 +347,11 @@ def read(
             raise LendRefused(
                 f"process {pid} is not the sender: its identity token does not match "
                 "(a process id reused, or another container's process)"
+            )
+        if lease is not None and int(seen[0]) != int(lease[1]):
+            raise LendWithdrawn(
+                f"process {pid} let go of the frames it lent while they were read "
+                "(its run closed): not used"
             )
     frames: list[Any] = list(carried)
     for (position, *_), buffer in zip(lent, buffers, strict=True):

@@ -70,6 +70,9 @@ class Shard:
     lend: bool = False
     #: Sender: frames lent so far, alive until the receiver has answered.
     lent: list[Any] | None = None
+    #: Sender: the run's lease on what it lends (:class:`samehost.Lease`),
+    #: withdrawn before the run lets go of frames a receiver may still read.
+    lease: samehost.Lease | None = None
     #: Sender: whether gpushuffle decides the compression of the frames
     #: (``gpushuffle.comm.compression`` is not ``none``): distributed's
     #: compression then leaves them as they are.
@@ -112,6 +115,9 @@ class WireStatistics(Counters):
     #: the receiver: not readable, or not proved to come from the sender).
     lends_refused: int = 0
     reads_refused: int = 0
+    #: Lent messages read while their sender's run closed (its lease
+    #: withdrawn): not stored (counted by the receiver).
+    reads_withdrawn: int = 0
     #: Frames compressed for the wire, their bytes before and after, and
     #: frames decompressed on receipt (:mod:`gpushuffle.codecs`).
     compressed_frames: int = 0
@@ -223,10 +229,16 @@ def _serialize(shard: Shard, device_frames: bool = False) -> tuple[dict[str, Any
     else:
         header, frames = _backend_serialize(shard, device_frames)
     lender = None
-    if shard.lend and not device_frames and (me := samehost.identity()) is not None:
+    lease = shard.lease
+    if (
+        shard.lend
+        and lease is not None
+        and not device_frames
+        and (me := samehost.identity()) is not None
+    ):
         lent, frames, kept = samehost.lend(frames, own=header.get(OWN_FRAMES, ()))
         if lent:
-            lender = {**me, "frames": lent}
+            lender = {**me, "frames": lent, "lease": lease.as_message()}
             # Every attempt's frames stay alive: a receiver may still read
             # those of an attempt that timed out.
             shard.lent = [*(shard.lent or ()), *kept]

@@ -26,6 +26,7 @@ from faults import (
     cluster_test,
     count_tasks,
     gpushuffled,
+    gpushuffled_gated,
     run_ids,
     truth,
     wait_for,
@@ -151,6 +152,28 @@ def test_the_token_is_read_in_every_call_of_a_message_with_many_frames():
     )
     with pytest.raises(samehost.LendRefused, match="token"):
         samehost.read({**lender, "token": "11" * samehost.TOKEN_BYTES}, carried)
+
+
+def test_a_withdrawn_lease_voids_what_was_read():
+    """A sender withdraws its lease before it lets go of what it lent: a
+    read that finds the lease withdrawn (or its cell taken by another lease)
+    is refused, in every call of a message with many frames."""
+    frames = [np.full(samehost.LEND_MIN_BYTES // 8, i, dtype=np.int64) for i in range(1100)]
+    lease = samehost.new_lease()
+    lender, carried, _ = _lent(frames)
+    lender["lease"] = lease.as_message()
+    got = samehost.read(lender, carried)
+    assert np.array_equal(np.frombuffer(got[-1], np.int64), frames[-1])
+    lease.withdraw()
+    with pytest.raises(samehost.LendWithdrawn, match="let go of the frames"):
+        samehost.read(lender, carried)
+    other = samehost.new_lease()  # most likely the same cell, another value
+    try:
+        with pytest.raises(samehost.LendWithdrawn):
+            samehost.read(lender, carried)
+        assert samehost.read({**lender, "lease": other.as_message()}, carried)
+    finally:
+        other.withdraw()
 
 
 def test_a_forked_child_has_a_token_of_its_own():
@@ -364,3 +387,76 @@ async def test_a_sender_killed_while_it_lends(c, s, a):
     await assert_workers_clean(c)
     await c.close()
     await assert_scheduler_clean(s)
+
+
+# -- a lend read after its sender's run closed --------------------------------------
+
+
+def _lent_shard(sender: str, partition: int, input_partition: int, lease) -> object:
+    """A shard of 20,000 rows lent by this process under ``lease``, as its
+    receiver gets it (deserialized, its large frames not read yet)."""
+    from gpushuffle import transport
+
+    n = 20_000
+    frame = pd.DataFrame({"p": np.zeros(n, dtype=np.int64), "x": np.arange(n, dtype=np.float64)})
+    backend = PandasBackend()
+    table, offsets = backend.split(frame, "p", np.zeros(1, np.int16), 1, False)
+    shard = transport.Shard(
+        backend=backend.name,
+        input_partition=input_partition,
+        partitions=np.array([partition]),
+        offsets=np.asarray(offsets, dtype=np.int64),
+        table=table,
+        nbytes=backend.nbytes(table),
+        sender=sender,
+        lend=True,
+        lease=lease,
+    )
+    message, frames = transport._serialize(shard)
+    assert message["lender"]["lease"] == lease.as_message()
+    received = transport._deserialize(message, frames)
+    assert isinstance(received.table, transport.LentTable)
+    return received
+
+
+@cluster_test(n_workers=2, timeout=120)
+async def test_a_lend_read_after_its_senders_run_closed_is_not_stored(c, s, a, b, tmp_path):
+    """A sender's run that closes (the shuffle failed) withdraws its lease
+    before it lets go of what it lent; a receiver not yet told of the
+    failure that reads such a message afterwards may have read rows the
+    sender wrote since: it must not store them (partial recovery would
+    adopt them).  A message under a lease still held is stored."""
+    from gpushuffle import transport
+
+    gate = str(tmp_path / "gate")
+    out = c.persist(gpushuffled_gated(NIN, ROWS, NOUT, gate, a.address))
+    shuffle_id = await wait_for_shuffle(s)
+    runs = [w.plugins["shuffle"].shuffle_runs._active_runs for w in (a, b)]
+    await wait_for(lambda: all(shuffle_id in r for r in runs), what="a run on both workers")
+    run_a, run_b = (r[shuffle_id] for r in runs)
+    mine = next(p for p, w in sorted(run_b.worker_for.items()) if w == b.address)
+    withdrawn_before = transport.statistics.reads_withdrawn
+
+    held = samehost.new_lease()
+    response = await run_b.receive([_lent_shard(a.address, mine, NIN + 1, held)])
+    assert response["status"] == "OK", response
+    assert (NIN + 1, 0, 0) in run_b.store.receipt_keys()
+
+    withdrawn = samehost.new_lease()
+    shard = _lent_shard(a.address, mine, NIN + 2, withdrawn)
+    withdrawn.withdraw()
+    response = await run_b.receive([shard])
+    assert response["status"] == "error", response
+    assert (NIN + 2, 0, 0) not in run_b.store.receipt_keys()
+    assert (NIN + 2, 0, 0) not in run_b.received
+    assert transport.statistics.reads_withdrawn == withdrawn_before + 1
+    held.withdraw()
+
+    # The shuffle (with a shard it never sent) is given up: both runs close,
+    # their leases withdrawn, nothing left behind.
+    assert not run_a._lease.withdrawn
+    del out
+    open(gate, "w").close()
+    await wait_for(lambda: run_a.closed and run_b.closed, what="both runs to close")
+    assert run_a._lease.withdrawn and run_b._lease.withdrawn
+    await assert_workers_clean(c)

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,7 +24,7 @@ from dask.typing import Key
 from dask.utils import parse_bytes, parse_timedelta
 from distributed import Reschedule
 from distributed.comm import get_address_host
-from distributed.core import ErrorMessage, OKMessage, Status
+from distributed.core import ErrorMessage, OKMessage, Status, error_message
 from distributed.metrics import context_meter, thread_time
 from distributed.utils import sync
 from tornado.ioloop import PeriodicCallback
@@ -163,6 +164,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             get_address_host(a) for a in worker_for.values() if get_address_host(a) != self._host
         }
         self._lent_unanswered: list[list[Any]] = []
+        # What receivers check after reading what this run lent; withdrawn
+        # as the run closes, before it lets go of anything (samehost).
+        self._lease = samehost.new_lease() if self.same_host_reads else None
+        if self._lease is not None:
+            weakref.finalize(self, self._lease.withdraw)
         self._reading = asyncio.Lock()
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
@@ -559,6 +565,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         lend = self._lends_to(address)
         for shard in shards:
             shard.lend = lend
+            shard.lease = self._lease
         answered = False
         nbytes = sum(s.nbytes for s in shards)
         link = links.link_to(get_address_host(address))
@@ -695,6 +702,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         """Whether shards for ``address`` are lent (:mod:`gpushuffle.samehost`)."""
         return (
             self.same_host_reads
+            and self._lease is not None
             and address.startswith("tcp://")
             and get_address_host(address) == self._host
             and samehost.may_lend_to(address)
@@ -715,6 +723,13 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     # its sender may have freed what it lent.
                     if _key(shard) not in self.received:
                         read_lent(shard, _receive_buffer)
+            except samehost.LendWithdrawn as e:
+                # The sender's run closed (so this shuffle run failed, and
+                # this worker hears of it soon): what was read may be rows
+                # the sender wrote since, which must never be stored.
+                statistics.add(reads_withdrawn=1)
+                logger.info("%s: %s", self, e)
+                return error_message(ShuffleClosedError(f"{self}: {e}"))
             except samehost.LendRefused as e:
                 statistics.add(reads_refused=1)
                 # distributed's comm buffer accepts only "OK" or "error"; the
@@ -911,6 +926,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             kept.hand_over(self.store, self._worker, hold_s)
 
     def _release(self) -> None:
+        if self._lease is not None:
+            self._lease.withdraw()
         self._closing.set()
         self._pause_watch.stop()
         self._lingering.clear()

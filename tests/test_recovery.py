@@ -154,6 +154,33 @@ def test_an_adopted_store_keeps_whole_inputs_and_drops_partial_ones(tmp_path):
     store.close()
 
 
+def test_an_unpack_of_the_run_before_cannot_take_what_the_next_run_kept(tmp_path):
+    """An output task of a failed run that passed its run's own check just
+    before the failure reaches the store after the next run adopted it: it
+    is refused (the next run counts partition 0's pieces as kept and asks
+    nobody to send them again), and the pieces stay for the next run."""
+    backend = PandasBackend()
+    store = store_for(backend, make_memory(host=None), tmp_path)
+    old, new = object(), object()
+    store.hand_over(old)
+
+    async def scenario() -> tuple:
+        await store.put(_shard(backend, 1), owner=old)
+        store.hand_over(None)
+        return await store.adopt({0, 1}, {0: 0, 1: 0}, new, store._offload, "next run")
+
+    complete, emptied, _, _ = asyncio.run(scenario())
+    assert complete == {0: frozenset({1})} and not emptied
+    with pytest.raises(ShuffleClosedError, match="handed over"):
+        store.start_unpack(owner=old)
+    with pytest.raises(ShuffleClosedError, match="handed over"):
+        store.read(0, owner=old)
+    assert store.start_unpack(owner=new)
+    nrows, pieces = store.read(0, owner=new)
+    assert nrows == 5 and len(list(pieces)) == 1
+    store.close()
+
+
 def test_a_run_failed_before_its_adoption_hands_on_the_buckets_of_the_run_before(tmp_path):
     """Run 2 took output partition 2 over from a lost worker, and failed (a
     second loss) while its adoption still waited for the store's lock: the

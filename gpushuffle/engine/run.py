@@ -818,7 +818,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # transfers; its free pool blocks stay for the outputs): this is when
         # the store holds the most.  So do inputs the worker let go of during
         # the transfer (distributed spilled them) that borrowed rows still hold.
-        if self.store.start_unpack():
+        if self.store.start_unpack(owner=self):
             try:
                 sync(self._loop, self.store.release_let_go_inputs)
                 self._prepare_outputs()
@@ -836,7 +836,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                     break  # the read below raises ShuffleClosedError
         if self._too_large is not None:
             raise self._too_large
-        nrows, tables = self.store.read(partition_id)
+        nrows, tables = self.store.read(partition_id, owner=self)
         if not nrows:
             return self.backend.empty(self.meta_out)
         with copies.timed("unpack"):

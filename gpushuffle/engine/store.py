@@ -62,6 +62,9 @@ from gpushuffle.transport import Shard
 #: loop's time per worker and run.
 _RECHARGE_PER_PUT = 32
 
+#: A reader that does not say which run it is (tests, tools): not checked.
+_ANY_OWNER = object()
+
 
 @dataclass(frozen=True)
 class _DiskLocation:
@@ -500,15 +503,16 @@ class ShardStore:
 
     # -- reading (task thread, after the barrier) ---------------------------
 
-    def start_unpack(self) -> bool:
+    def start_unpack(self, owner: object = _ANY_OWNER) -> bool:
         """The run's first unpack: once every shuffle on the worker unpacks,
         malloc gives back what the transfer left in its heaps, and the pool
         starts dropping free blocks the outputs do not take up.
 
-        True for the first call only.
+        True for the first call only; ``owner``: as for :meth:`read`.
         """
         pool = host_pool()
         with self._lock:
+            self._raise_unless_owner(owner)
             if self._unpacking or self._closed:
                 return False
             # Counted under the store's lock, which close() takes before it
@@ -537,13 +541,17 @@ class ShardStore:
         with self._lock:
             return len(self._pieces)
 
-    def read(self, partition: int) -> tuple[int, Iterator[Any]]:
+    def read(self, partition: int, owner: object = _ANY_OWNER) -> tuple[int, Iterator[Any]]:
         """Rows and pieces of ``partition``, in input-partition order.
 
         Pieces are brought up one at a time and released as soon as the
-        consumer asks for the next one.
+        consumer asks for the next one.  ``owner``, the run reading: a store
+        handed over since refuses it (:class:`ShuffleClosedError`), so an
+        unpack of a failed run that passed its own check just before the
+        failure cannot take pieces the next run counts as kept.
         """
         with self._lock:
+            self._raise_unless_owner(owner)
             pieces = self._pieces.pop(partition, [])
             self._read.add(partition)
             for piece in pieces:
@@ -763,6 +771,10 @@ class ShardStore:
     def _raise_if_closed(self) -> None:
         if self._closed:
             raise ShuffleClosedError(f"{self._describe} was closed")
+
+    def _raise_unless_owner(self, owner: object) -> None:
+        if owner is not _ANY_OWNER and owner is not self._owner:
+            raise ShuffleClosedError(f"{self._describe} was handed over to another run")
 
 
 def _map(path: str) -> mmap.mmap:

@@ -123,6 +123,9 @@ _token = np.frombuffer(secrets.token_bytes(TOKEN_BYTES), dtype=np.uint8).copy()
 _LEASE_CELLS = 4096
 _leases = np.zeros(_LEASE_CELLS, dtype=np.uint64)
 _free_cells = list(range(_LEASE_CELLS))
+# Reentrant: a run's finalizer (its lease's safety net) may withdraw from
+# the cycle collector, which can run on a thread inside a lease call.
+_lease_lock = threading.RLock()
 
 
 def _new_token() -> None:
@@ -142,6 +145,8 @@ class Lease:
 
     def __init__(self, cell: int) -> None:
         self._cell: int | None = cell
+        # A forked child inherits this object, not the cell (reset there).
+        self._pid = os.getpid()
         # Never zero: zero is a withdrawn lease.
         self.value = secrets.randbits(63) + 1
         _leases[cell] = self.value
@@ -156,16 +161,16 @@ class Lease:
 
     def withdraw(self) -> None:
         """Void the lease (a reader from now on is refused); idempotent."""
-        with _lock:
+        with _lease_lock:
             cell, self._cell = self._cell, None
-            if cell is not None:
+            if cell is not None and self._pid == os.getpid():
                 _leases[cell] = 0
                 _free_cells.append(cell)
 
 
 def new_lease() -> Lease | None:
     """A lease for a run's lends; None when every cell is taken (send bytes)."""
-    with _lock:
+    with _lease_lock:
         if not _free_cells:
             return None
         cell = _free_cells.pop()
@@ -348,6 +353,10 @@ def read(
                 f"process {pid} is not the sender: its identity token does not match "
                 "(a process id reused, or another container's process)"
             )
+        # process_vm_readv copies the remote iovecs in order, pinning each
+        # under the sender's mmap lock: the lease is loaded after every frame
+        # of this call (ordered on arm64 by that lock, on x86-64 by its load
+        # order), and the sender zeroes it before it frees any of them.
         if lease is not None and int(seen[0]) != int(lease[1]):
             raise LendWithdrawn(
                 f"process {pid} let go of the frames it lent while they were read "

@@ -177,12 +177,18 @@ def test_a_withdrawn_lease_voids_what_was_read():
 
 
 def test_a_forked_child_has_a_token_of_its_own():
+    """And no lease of its parent's: one inherited and withdrawn there does
+    not give its cell out twice."""
     parent = dict(samehost.identity())
+    inherited = samehost.new_lease()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         child = samehost.identity()
         same = child["token"] == parent["token"] or child["pid"] == parent["pid"]
+        inherited.withdraw()
+        cells = [samehost.new_lease() for _ in range(samehost._LEASE_CELLS)]
+        same = same or len({lease.address for lease in cells}) < len(cells)
         os.write(write, b"same" if same else b"new")
         os._exit(0)
     os.close(write)
@@ -190,6 +196,7 @@ def test_a_forked_child_has_a_token_of_its_own():
     os.waitpid(pid, 0)
     os.close(read)
     assert samehost.identity()["token"] == parent["token"]
+    inherited.withdraw()
 
 
 # A process that lends one frame of FILL and waits until its stdin closes;

@@ -167,8 +167,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # What receivers check after reading what this run lent; withdrawn
         # as the run closes, before it lets go of anything (samehost).
         self._lease = samehost.new_lease() if self.same_host_reads else None
-        if self._lease is not None:
-            weakref.finalize(self, self._lease.withdraw)
+        # A safety net (a run dropped without closing); run once, by _release.
+        self._withdraw_lease = (
+            weakref.finalize(self, self._lease.withdraw) if self._lease is not None else None
+        )
         self._reading = asyncio.Lock()
         self._lingering: dict[str, list[Shard]] = {}
         self._lingering_bytes: dict[str, int] = {}
@@ -729,7 +731,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 # the sender wrote since, which must never be stored.
                 statistics.add(reads_withdrawn=1)
                 logger.info("%s: %s", self, e)
-                return error_message(ShuffleClosedError(f"{self}: {e}"))
+                # Not a ShuffleClosedError: a sender whose run were still
+                # healthy (never, by construction) must fail, not retry.
+                return error_message(P2PConsistencyError(f"{self}: {e}"))
             except samehost.LendRefused as e:
                 statistics.add(reads_refused=1)
                 # distributed's comm buffer accepts only "OK" or "error"; the
@@ -926,8 +930,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             kept.hand_over(self.store, self._worker, hold_s)
 
     def _release(self) -> None:
-        if self._lease is not None:
-            self._lease.withdraw()
+        if self._withdraw_lease is not None:
+            self._withdraw_lease()
         self._closing.set()
         self._pause_watch.stop()
         self._lingering.clear()

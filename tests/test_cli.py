@@ -392,6 +392,10 @@ tasks.unpack = unpack
 """
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_masks(pid: int) -> dict[str, str]:
     """A process's blocked, ignored and caught signals (hex masks, /proc)."""
     try:
@@ -433,6 +437,10 @@ def test_interrupted_while_writing_leaves_no_output(how, status, word, events, t
         text=True,
         env=env,
         start_new_session=True,
+        # As in a terminal: a command a shell without job control started in
+        # the background (`cmd &` in a script, as CI may be) ignores SIGINT,
+        # and its children inherit that, so Ctrl-C would never arrive.
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     try:
         deadline = time.monotonic() + 60

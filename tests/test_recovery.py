@@ -267,10 +267,12 @@ async def test_a_worker_closed_mid_transfer_costs_only_its_share(c, s, a, b, w3,
     assert got["recovery_runs"] >= 2  # both survivors adopted what they held
     assert got["recovery_partitions_taken"] == NOUT // 3
     assert got["recovery_bytes_kept"] > 0
-    # Sent again: the lost worker's share and what was not in yet, not all.
+    # Sent again: the lost worker's share, what was not in yet and what was
+    # lent but not yet read when the runs closed (refused: samehost.Lease),
+    # not all.  About two thirds here; 0.83 was seen once in a full CI run.
     total = sum(make_part(i, ROWS).memory_usage(deep=True).sum() for i in range(NIN))
     print(got, total)
-    assert got["recovery_bytes_resent"] < 0.8 * total
+    assert got["recovery_bytes_resent"] < 0.9 * total
     del futures
     await finish(c, s)
 

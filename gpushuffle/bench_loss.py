@@ -96,9 +96,8 @@ class Killer:
         self._started = time.perf_counter()
 
         def loop() -> None:
-            started = time.perf_counter()
             for at in moments_s:
-                if self._done.wait(max(0.0, at - (time.perf_counter() - started))):
+                if self._done.wait(max(0.0, at - (time.perf_counter() - self._started))):
                     return
                 # A worker restarting (no pid yet): the next moment kills.
                 with contextlib.suppress(Exception):

@@ -82,11 +82,14 @@ class RoundResult:
 def output_digest(part: pd.DataFrame) -> pd.DataFrame:
     """One row per output partition: its rows and the sum of its rows'
     hashes over every column (wraps exactly, independent of row order)."""
-    hashes = pd.util.hash_pandas_object(part, index=False).to_numpy()
+    return _digest_of(pd.util.hash_pandas_object(part, index=False).to_numpy())
+
+
+def _digest_of(hashes: np.ndarray) -> pd.DataFrame:
     # As int64 (the same bits): a uint64 column above 2**63 concatenated with
     # an empty partition's would become float64 and lose its low bits.
     total = np.array([hashes.sum(dtype=np.uint64)], dtype=np.uint64).view(np.int64)
-    return pd.DataFrame({"rows": [len(part)], "hash_sum": total})
+    return pd.DataFrame({"rows": [len(hashes)], "hash_sum": total})
 
 
 def differences(got: pd.DataFrame, truth: pd.DataFrame) -> list[int]:
@@ -197,8 +200,8 @@ def _output(frames: list[Any], spec: Round, method: str) -> Any:
 def fingerprint(part: pd.DataFrame) -> pd.DataFrame:
     """:func:`output_digest`, with each row's hash and key (one array
     each, in object columns): a wrong partition's rows can be named."""
-    digest = output_digest(part)
     hashes = pd.util.hash_pandas_object(part, index=False).to_numpy()
+    digest = _digest_of(hashes)
     digest["hashes"] = pd.Series([hashes], dtype=object)
     digest["keys"] = pd.Series([part["key"].to_numpy()], dtype=object)
     return digest

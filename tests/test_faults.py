@@ -88,7 +88,7 @@ async def finish(c: Any, s: Any) -> None:
 # -- closed workers -----------------------------------------------------------
 
 
-# Both recovery modes: restart (p2p's way) is the default, partial is opt-in.
+# Both recovery modes: partial is the default, restart (p2p's way) is opt-in.
 @pytest.mark.parametrize("recovery", ["partial", "restart"])
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)

@@ -95,8 +95,8 @@ def test_rounds_are_drawn_from_the_seed_alone():
 def test_a_short_soak_is_right_and_leaves_nothing_behind(tmp_path):
     """Four rounds (seed 49: shuffles and a merge, one and two losses, every
     one within the first half of the no-fault time) on three Nanny workers,
-    with the default recovery (``restart``; round 2 is the one that found
-    ``partial`` missing rows, 1 run in about 10): every output partition of
+    with the default recovery (``partial``; round 2 is the one that found
+    it missing rows before the same-host lease): every output partition of
     every run equal to the tasks method's, nothing left on the workers."""
     out = tmp_path / "soak.json"
     result = CliRunner().invoke(
@@ -105,7 +105,7 @@ def test_a_short_soak_is_right_and_leaves_nothing_behind(tmp_path):
     assert result.exit_code == 0, result.output
     rounds = json.loads(out.read_text())
     assert len(rounds) == 4 and all(r["right"] for r in rounds), result.output
-    assert {r["round"]["recovery"] for r in rounds} == {"restart"}
+    assert {r["round"]["recovery"] for r in rounds} == {"partial"}
     assert sum(r["killed"] for r in rounds) >= 2, result.output
     assert "every round right and clean" in result.output
 

@@ -54,7 +54,9 @@ def run(
         input_bytes = int(df.memory_usage(deep=True).sum().compute())
         for r in range(repeat):
             for method in methods:
-                workers_before = set(client.scheduler_info()["workers"])
+                # client.nthreads(), not scheduler_info(), whose cache the
+                # client's periodic refresh empties of workers (gpushuffle/bench.py).
+                workers_before = set(client.nthreads())
                 start = time.perf_counter()
                 future = client.compute(
                     df.shuffle("key", shuffle_method=method).map_partitions(len).sum()
@@ -76,9 +78,7 @@ def run(
                 record["wall_s"] = time.perf_counter() - start
                 # Workers that left during the run (the Nanny restarts a worker
                 # that passes the terminate threshold under a new address).
-                record["workers_replaced"] = len(
-                    workers_before - set(client.scheduler_info()["workers"])
-                )
+                record["workers_replaced"] = len(workers_before - set(client.nthreads()))
                 record["machine"] = machine_description()
                 record["versions"] = versions()
                 records.append(record)

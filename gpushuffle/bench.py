@@ -227,7 +227,10 @@ def persisted_evenly(
     """
     import dask.dataframe as dd
 
-    workers = sorted(client.scheduler_info()["workers"])
+    # Not scheduler_info()['workers']: the client's periodic refresh of that
+    # cache asks for no workers, and can empty it between the call's fetch
+    # and its return (seen under load with distributed 2026.8.0).
+    workers = sorted(client.nthreads())
     meta = generated_frame(rows, partitions, columns, dtypes)._meta
     sizes = _partition_rows(rows, partitions)
     futures: list[Any] = [None] * partitions

@@ -622,7 +622,7 @@ def demo(rows: int, partitions: int, workers: int) -> None:
             preload=embedded_worker_preloads(),
         )
     with cluster_cm as cluster, _quiet_shuffle_log(debug=False), Client(cluster) as client:
-        nworkers = len(client.scheduler_info()["workers"])
+        nworkers = len(client.nthreads())
         click.echo(f"cluster: {plan.kind} with {nworkers} workers ({plan.backend} partitions)")
         df = generated_frame(rows, partitions, columns=8)
         if plan.backend == "cudf":

@@ -1057,7 +1057,7 @@ def test_bench_input_is_spread_evenly_over_the_workers():
     ):
         df = persisted_evenly(client, 1_000, 7, columns=4, dtypes="mixed")
         wait(df)
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(client.nthreads())
         placed = {key[1]: tuple(where) for key, where in client.who_has(df).items()}
         assert placed == {i: (workers[i % 3],) for i in range(7)}
         got = df.compute()

@@ -253,7 +253,7 @@ def test_a_frame_damaged_on_a_live_cluster_fails_the_shuffle_clearly():
     with cluster_with(
         {"gpushuffle.comm.same-host-reads": False, "gpushuffle.comm.compression": "lz4"}
     ) as client:
-        first = sorted(client.scheduler_info()["workers"])[0]
+        first = sorted(client.nthreads())[0]
         client.run(_damage_what_this_worker_sends, workers=[first])
         df = dd.from_pandas(make_frame(60_000, seed=5), npartitions=6, sort=False)
         with pytest.raises(

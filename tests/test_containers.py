@@ -99,7 +99,7 @@ def workers_in_namespaces(n: int, shared: bool, aslr: bool, scratch: str):
             client.wait_for_workers(n, timeout=90)
             yield client
         finally:
-            client.retire_workers(list(client.scheduler_info()["workers"]), close_workers=True)
+            client.retire_workers(list(client.nthreads()), close_workers=True)
             for p in processes:
                 p.terminate()
             for p in processes:

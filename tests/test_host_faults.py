@@ -75,7 +75,7 @@ def test_a_host_killed_mid_transfer(fault_rig, method):
     futures = _mid_transfer(rig, client, method)
     rig.kill_host(2)
     _assert_finishes_right(client, futures)
-    assert len(client.scheduler_info()["workers"]) == 2
+    assert len(client.nthreads()) == 2
 
 
 @pytest.mark.parametrize("method", ["gpushuffle", "p2p"])
@@ -88,7 +88,7 @@ def test_a_link_that_drops_every_packet_for_5s(fault_rig, method):
         # Nothing crossed while cut (the bucket may still have sent what it held).
         assert rig.link_bytes(1)[0] - sent < 256 << 10
     _assert_finishes_right(client, futures)
-    assert len(client.scheduler_info()["workers"]) == 3
+    assert len(client.nthreads()) == 3
 
 
 def test_a_straggler_link_completes_and_shows_in_the_statistics(fault_rig):
@@ -130,5 +130,5 @@ def test_a_link_cut_for_good(quick_to_give_up_rig, method):
     futures = _mid_transfer(rig, client, method)
     with rig.cut(1):
         _assert_finishes_right(client, futures)
-        workers = client.scheduler_info()["workers"]
+        workers = client.nthreads()
         assert sorted(rig.host_of(w) for w in workers) == [0, 2]

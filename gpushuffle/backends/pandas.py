@@ -597,11 +597,15 @@ class PandasBackend(TableBackend):
         return int(total * share)
 
     #: Pieces of at least _KEEP_CHUNK_ROWS rows keep their string chunks (the
-    #: assembly copies them once), but the fit rule still counts them twice:
-    #: with them counted once (keep_rows = _KEEP_CHUNK_ROWS), 1 GiB workers
-    #: building hot partitions of mixed columns at 25-30% of 12M rows were
-    #: restarted by their Nannies (2026-12-05): the rule's other terms
-    #: undercount what such a build holds.  Until that is found, 0.
+    #: assembly copies them once), but the fit rule still counts them twice,
+    #: for what follows the build: distributed spills (or sends) an output
+    #: that large by pickling it, and pandas pickles an Arrow column by
+    #: combining its chunks, a copy of every string even of one chunk
+    #: (ArrowExtensionArray.__getstate__).  Counted once (keep_rows =
+    #: _KEEP_CHUNK_ROWS), 1 GiB workers built hot partitions of mixed columns
+    #: within the rule (strings held once: pyarrow's allocations at the
+    #: build's peak were the output's strings) and were then restarted while
+    #: distributed spilled the output (2026-12-06, docs/user-guide.md).
     keep_rows = 0
 
     def kept_nbytes(self, table: PandasTable | BorrowedRows) -> int:

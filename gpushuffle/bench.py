@@ -227,9 +227,10 @@ def persisted_evenly(
     """
     import dask.dataframe as dd
 
-    # Not scheduler_info()['workers']: the client's periodic refresh of that
+    # Worker lists here come from client.nthreads(), not
+    # scheduler_info()['workers']: the client's periodic refresh of that
     # cache asks for no workers, and can empty it between the call's fetch
-    # and its return (seen under load with distributed 2026.8.0).
+    # and its return (distributed 2026.7.1 and 2026.8.0).
     workers = sorted(client.nthreads())
     meta = generated_frame(rows, partitions, columns, dtypes)._meta
     sizes = _partition_rows(rows, partitions)
@@ -572,7 +573,7 @@ def run_benchmark(
                 copied_before = _copied_total(client)
                 times_before = _stage_seconds(client)
                 client.run(_start_sampler, breakdown=True)
-                before = set(client.scheduler_info(n_workers=-1)["workers"])
+                before = set(client.nthreads())
                 start_time = time.time()
                 start = time.perf_counter()
                 error = None
@@ -586,7 +587,7 @@ def run_benchmark(
                 wall = time.perf_counter() - start
                 if worker_memory:
                     client.wait_for_workers(workers, timeout=300)
-                restarts = len(set(client.scheduler_info(n_workers=-1)["workers"]) - before)
+                restarts = len(set(client.nthreads()) - before)
                 if settle:
                     _wait_until_released(client, baseline_tasks)
                     time.sleep(max(0.0, settle - (time.perf_counter() - start - wall)))

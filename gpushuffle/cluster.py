@@ -248,7 +248,7 @@ def connect(
         except (OSError, TimeoutError, ValueError) as e:
             raise JobError(f"cannot reach scheduler {options.scheduler}: {_first_line(e)}") from e
         with client:
-            nworkers = len(client.scheduler_info(n_workers=-1)["workers"])
+            nworkers = len(client.nthreads())
             if not nworkers:
                 raise JobError(f"the cluster at {options.scheduler} has no workers")
             try:
@@ -291,7 +291,10 @@ def connect(
 
             cluster = LocalCluster(**kwargs)
     with cluster, _quiet_shuffle_log(debug), Client(cluster, set_as_default=False) as client:
-        workers = client.scheduler_info(n_workers=-1)["workers"].values()
+        # The scheduler asked directly: scheduler_info() returns the client's
+        # cached identity, which its periodic refresh (asking for no workers)
+        # can empty between the call's fetch and its return.
+        workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"].values()
         threads = sorted({w["nthreads"] for w in workers})
         limit = min((w["memory_limit"] for w in workers), default=0)
         if plan.note:

@@ -224,7 +224,7 @@ def compare(
     client = client or default_client()
     with client.as_current():  # persist, wait and the checksums on this client
         runs = _run_all(client, compute, methods, repeat, index)
-    workers = len(client.scheduler_info(n_workers=-1)["workers"])
+    workers = len(client.nthreads())
     return Comparison(runs=tuple(runs), workers=workers)
 
 

@@ -96,7 +96,7 @@ def run_skew_sweep(
                     Client(cluster) as client,
                 ):
                     client.run(_start_sampler)
-                    before = set(client.scheduler_info(n_workers=-1)["workers"])
+                    before = set(client.nthreads())
                     start = time.perf_counter()
                     error: str | None = None
                     hot_rows: int | None = None
@@ -113,7 +113,7 @@ def run_skew_sweep(
                         verdict, error = "failed", f"{type(e).__name__}: {e}"[:300]
                     wall = time.perf_counter() - start
                     client.wait_for_workers(workers, timeout=300)
-                    after = set(client.scheduler_info(n_workers=-1)["workers"])
+                    after = set(client.nthreads())
                     samples = [s for s in client.run(_stop_sampler).values() if s is not None]
                 point = SweepPoint(
                     method=method,

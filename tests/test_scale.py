@@ -70,7 +70,7 @@ def _peak_rss(dask_worker) -> int:
 
 
 def _workers(client) -> set[str]:
-    return set(client.scheduler_info(n_workers=-1)["workers"])
+    return set(client.nthreads())
 
 
 def _truth_of_input(part: pd.DataFrame, npartitions: int) -> pd.DataFrame:

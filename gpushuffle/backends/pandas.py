@@ -605,7 +605,7 @@ class PandasBackend(TableBackend):
     #: _KEEP_CHUNK_ROWS), 1 GiB workers built hot partitions of mixed columns
     #: within the rule (strings held once: pyarrow's allocations at the
     #: build's peak were the output's strings) and were then restarted while
-    #: distributed spilled the output (2026-12-06, docs/user-guide.md).
+    #: distributed spilled the output (2026-12-06, docs/scaling.md).
     keep_rows = 0
 
     def kept_nbytes(self, table: PandasTable | BorrowedRows) -> int:

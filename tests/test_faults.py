@@ -88,7 +88,8 @@ async def finish(c: Any, s: Any) -> None:
 # -- closed workers -----------------------------------------------------------
 
 
-# Both recovery modes: partial is the default, restart (p2p's way) is opt-in.
+# Both recovery modes (here, during the unpack and in the crash tests below):
+# partial is the default, restart (p2p's way) is opt-in.
 @pytest.mark.parametrize("recovery", ["partial", "restart"])
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)
@@ -432,11 +433,12 @@ async def test_a_paused_worker_moves_the_shards_its_store_holds_to_disk(c, s, a,
     await finish(c, s)
 
 
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=2)
-async def test_closed_worker_during_unpack(c, s, a, b, budget):
+async def test_closed_worker_during_unpack(c, s, a, b, budget, recovery):
     expected = truth(NIN, ROWS, NOUT)
-    with dask.config.set(settings(budget)):
+    with dask.config.set({**settings(budget), "gpushuffle.recovery": recovery}):
         futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
         shuffle_id = await wait_for_shuffle(s)
         await wait_for_tasks(s, UNPACK, "memory", 1, b.address)
@@ -584,11 +586,12 @@ async def test_crashed_worker_during_transfer(c, s, a, budget, tmp_path):
     await finish(c, s)
 
 
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
 @pytest.mark.parametrize("budget", ["memory", "spill"])
 @cluster_test(n_workers=1, timeout=90)
-async def test_crashed_worker_during_unpack(c, s, a, budget):
+async def test_crashed_worker_during_unpack(c, s, a, budget, recovery):
     expected = truth(NIN, ROWS, NOUT)
-    with dask.config.set(settings(budget)):
+    with dask.config.set({**settings(budget), "gpushuffle.recovery": recovery}):
         async with Nanny(s.address, nthreads=1) as n:
             crashed = n.worker_address
             futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())

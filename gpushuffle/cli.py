@@ -143,7 +143,7 @@ def main() -> None:
     default=None,
     metavar="FRACTION",
     help="As --kill-at, but a worker is SIGKILLed every FRACTION of the no-fault time "
-    "for as long as the run lasts (given up after 10x).",
+    "for as long as the run lasts (given up after 10x plus the connect timeout and 10 s).",
 )
 @click.option("--json", "json_path", default=None, help="Write per-run results here.")
 @click.option("--debug", is_flag=True, help="Show the scheduler's shuffle log.")

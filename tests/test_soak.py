@@ -122,4 +122,4 @@ def test_the_loss_benchmark_kills_a_worker_and_checks_the_results(tmp_path):
     assert result.exit_code == 0, result.output
     (run,) = json.loads(out.read_text())["results"]
     assert run["method"] == "gpushuffle" and run["kills"] == 1, run
-    assert run["correct"] and run["fault_s"] is not None, run
+    assert run["correct"] and run["fault_s"] is not None, (run.get("error"), run)

@@ -156,8 +156,8 @@ def run_loss_benchmark(
 ) -> tuple[list[LossResult], dict[str, Any]]:
     """Each method ``repeat`` times: a run without a fault, then one with
     losses; a run with losses that takes more than ``give_up_after`` times
-    the run without (plus 40 s, :func:`_loss_grace_s`) is recorded as not
-    finished."""
+    the run without, plus :func:`_loss_grace_s` (the connect timeout and
+    10 s), is recorded as not finished."""
     import dask
     from distributed import Client, wait
 
@@ -210,6 +210,7 @@ def run_loss_benchmark(
         df = fresh_input()
         truth = _digest(shuffled(df, "tasks").compute())
         killer = Killer(client, random.Random(seed))
+        grace = _loss_grace_s()
         for method in methods:
             for r in range(repeat):
                 df = fresh_input()
@@ -228,7 +229,6 @@ def run_loss_benchmark(
                     killer.start(kill_every * no_fault * n for n in itertools.count(1))
                 error = None
                 fault_s: float | None = None
-                grace = _loss_grace_s()
                 try:
                     limit = give_up_after * no_fault + grace
                     got = _digest(future.result(timeout=limit))

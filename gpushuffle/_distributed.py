@@ -17,6 +17,7 @@ hashes of a frame's columns (unchanged from pandas 1.x to 3.1), which
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -98,7 +99,8 @@ def known_run(
 
 def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
     """Give the schedulers in this process what gpushuffle's runs ask of them
-    (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`), before any
+    (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`, the shuffle
+    plugin made a :class:`PartialRestartPlugin`), before any
     worker creates a run of ``shuffle_id``: called by
     ``ShuffleSpec.create_new_run`` on the scheduler's event loop.  Returns the
     one that holds the shuffle's barrier (the one running this), if found."""
@@ -110,7 +112,10 @@ def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
         ops_known(scheduler)
         _added(scheduler, ReleaseFailedRuns).shuffles.add(shuffle_id)
     key = barrier_key(shuffle_id)
-    return [scheduler for scheduler in schedulers if key in scheduler.tasks]
+    holding = [scheduler for scheduler in schedulers if key in scheduler.tasks]
+    for scheduler in holding:
+        install_partial_restarts(scheduler)
+    return holding
 
 
 def add_dashboard_page(scheduler: Scheduler, route: str, make_doc: Callable[..., None]) -> bool:
@@ -350,6 +355,9 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
       told to keep what their run holds (:data:`KEEP_RUN`);
     - the restart does not release outputs already in memory.
 
+    For every shuffle on the scheduler, ``p2p``'s included, the barrier gives
+    up as soon as a participant leaves (:meth:`barrier`).
+
     Installed on the scheduler's plugin as the first gpushuffle run is
     created (:func:`install_partial_restarts`): the instance keeps its
     state, only its class changes.
@@ -385,9 +393,51 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
         )
         ops_known(self.scheduler).send(ran, {"op": DROP_KEPT, "shuffle_id": shuffle_id})
 
+    async def barrier(self, id: ShuffleId, run_id: int, consistent: bool) -> None:
+        """distributed's barrier, given up as soon as one of the run's
+        workers leaves.
+
+        distributed retries a broadcast that failed with an ``OSError`` and
+        checks whether the worker left only when the retry returns; a retry
+        to a worker that has since died connects to its address until
+        ``distributed.comm.timeouts.connect`` (30 s), and the shuffle, ``p2p``
+        alike, waits that long for the restart its loss already started.
+        """
+        shuffle = self.active_shuffles.get(id)
+        if shuffle is None or shuffle.run_id != run_id:
+            return await super().barrier(id, run_id, consistent)
+        participants = frozenset(shuffle.participating_workers)
+        left = asyncio.Event()
+        if not participants <= self.scheduler.workers.keys():
+            left.set()
+        watches = self._barrier_watches()
+        watch = (participants, left)
+        watches.append(watch)
+        broadcast = asyncio.ensure_future(super().barrier(id, run_id, consistent))
+        gone = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait({broadcast, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if broadcast.done():
+                return broadcast.result()
+        finally:
+            watches.remove(watch)
+            broadcast.cancel()
+            gone.cancel()
+        lost = sorted(participants - self.scheduler.workers.keys())
+        raise RuntimeError(f"Worker {lost} left during shuffle {shuffle}")
+
+    def _barrier_watches(self) -> list[tuple[frozenset[str], asyncio.Event]]:
+        """The barriers in progress: each one's workers, and the event set
+        when one of them leaves.  (The instance was distributed's plugin,
+        made this class: no ``__init__`` of ours ran.)"""
+        return self.__dict__.setdefault("_gpushuffle_barrier_watches", [])
+
     def remove_worker(
         self, scheduler: Scheduler, worker: str, *, stimulus_id: str, **kwargs: Any
     ) -> None:
+        for participants, left in self._barrier_watches():
+            if worker in participants:
+                left.set()
         for shuffle in list(self.active_shuffles.values()):
             self._keep_if_a_worker_left(shuffle)
         super().remove_worker(scheduler, worker, stimulus_id=stimulus_id, **kwargs)
@@ -431,12 +481,14 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
 
 def install_partial_restarts(scheduler: Scheduler) -> None:
     """Make ``scheduler``'s shuffle plugin a :class:`PartialRestartPlugin`,
-    with its :data:`RESTART_FOR_OUTPUT` handler."""
+    with its :data:`RESTART_FOR_OUTPUT` handler and its barrier."""
     plugin = scheduler.plugins.get("shuffle")
     if type(plugin) is ShuffleSchedulerPlugin:
         plugin.__class__ = PartialRestartPlugin
     if isinstance(plugin, PartialRestartPlugin):
         scheduler.handlers.setdefault(RESTART_FOR_OUTPUT, _restart_for_output_handler(plugin))
+        # distributed registered its own bound barrier as the handler.
+        scheduler.handlers["shuffle_barrier"] = plugin.barrier
 
 
 def _restart_for_output_handler(plugin: PartialRestartPlugin) -> Callable[..., None]:

@@ -67,11 +67,12 @@ _LOSS_GRACE_S = 10.0
 def _loss_grace_s() -> float:
     """:data:`_LOSS_GRACE_S` plus ``distributed.comm.timeouts.connect``: a
     worker killed while the scheduler broadcasts a run's barrier is retried
-    (distributed's ``ShuffleSchedulerPlugin.barrier``) and the retry waits
-    out the connect timeout to the dead address before the shuffle goes on,
-    for ``p2p`` as for gpushuffle (seen once in a full CI run: a 0.25 s run
-    given up 12.5 s after the kill, the barrier's second broadcast still
-    connecting)."""
+    by distributed's ``ShuffleSchedulerPlugin.barrier``, and the retry waits
+    out the connect timeout to the dead address before the shuffle goes on
+    (seen once in a full CI run: a 0.25 s run given up 12.5 s after the
+    kill).  gpushuffle's plugin gives such a barrier up at once
+    (``_distributed.PartialRestartPlugin.barrier``); ``p2p`` on a scheduler
+    where no gpushuffle run was made still waits."""
     import dask
     from dask.utils import parse_timedelta
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from typing import Any
 from unittest import mock
 
@@ -629,6 +630,39 @@ async def test_crashed_other_worker_during_barrier(c, s, a):
         assert_correct(await c.gather(futures), expected)
         del futures
         await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
+@cluster_test(n_workers=2, config={"distributed.comm.timeouts.connect": "60s"}, timeout=150)
+async def test_worker_gone_after_a_failed_barrier_broadcast(c, s, a, b, recovery):
+    """The barrier's broadcast to b fails with an OSError and b leaves before
+    distributed's retry: the barrier gives up at once.  Retried, it would
+    connect to b's closed address for the whole connect timeout (60 s here)
+    while the run that follows waits for the old barrier task on a."""
+    expected = truth(NIN, ROWS, NOUT)
+    closing: list[asyncio.Task] = []
+
+    def reset_then_leave(comm: Any, **kwargs: Any) -> None:
+        # The scheduler's broadcast reads a closed comm (an OSError), and b
+        # leaves while the barrier waits to retry.
+        comm.abort()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.02, lambda: closing.append(asyncio.ensure_future(b.close())))
+
+    b.handlers["shuffle_inputs_done"] = reset_then_leave
+    with dask.config.set({"gpushuffle.recovery": recovery}):
+        started = time.monotonic()
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        # The barrier runs on a, which stays.
+        s.set_restrictions({barrier_key(shuffle_id): {a.address}})
+        assert_correct(await c.gather(futures), expected)
+        took = time.monotonic() - started
+    assert closing and b.status == Status.closed
+    assert len(run_ids(s, shuffle_id)) >= 2
+    assert took < 30, f"the shuffle took {took:.1f} s: the barrier waited for b's address"
+    del futures
     await finish(c, s)
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import decimal
 import gc
 import itertools
 from typing import Any
 
+import dask
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -1091,3 +1093,91 @@ def test_an_unknown_reorder_is_refused_with_the_choices():
     df = frame_with_partitions(100, 4)
     with pytest.raises(ValueError, match=r"gpushuffle\.split\.reorder: 'sideways' is not one of"):
         _split_with("sideways", df, 4, [(0, 4)], None, None, keep_index=True)
+
+
+def _chunked_strings(chunks: int, rows: int) -> pd.DataFrame:
+    """A frame whose string column is ``chunks`` Arrow chunks of ``rows`` each
+    (about 10 bytes a row), as a shuffle's output of large pieces is."""
+    parts = [
+        pa.array([f"v{i:02d}-{j:07d}" for j in range(rows)], pa.string()) for i in range(chunks)
+    ]
+    strings = pd.array(pa.chunked_array(parts), dtype=pd.ArrowDtype(pa.string()))
+    return pd.DataFrame({"s": strings, "x": np.arange(chunks * rows)})
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_distributed_spills_a_large_arrow_column_without_copying_it(in_place):
+    """distributed spills (and sends) a frame by pickling it, and pandas
+    pickles an Arrow column by combining its chunks: a second copy of every
+    string at the moment a worker is fullest.  With
+    ``gpushuffle.memory.pickle-without-copy`` the chunks go as they are, out
+    of band; the values come back equal, in the same chunks."""
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+
+    df = _chunked_strings(4, 100_000)
+    strings = df["s"].array._pa_array
+    assert strings.nbytes >= 4 << 20
+    with dask.config.set({"gpushuffle.memory.pickle-without-copy": in_place}):
+        before = pa.total_allocated_bytes()
+        frames = serialize_bytelist(df)
+        grown = pa.total_allocated_bytes() - before
+    if in_place:
+        assert grown < 64 << 10, f"pickling allocated {grown} bytes in Arrow"
+    else:
+        assert grown >= strings.nbytes  # pandas' combine_chunks()
+    back = deserialize_bytes(b"".join(frames))
+    pd.testing.assert_frame_equal(back, df)
+    chunks = back["s"].array._pa_array.num_chunks
+    assert chunks == (4 if in_place else 1)
+
+
+def test_sliced_or_small_arrow_columns_pickle_the_pandas_way():
+    """A slice's chunks hold their parent's rows (pyarrow would pickle all of
+    them: ARROW-10739), and a small column is not worth many buffers: both
+    are combined into one chunk of their own rows, as pandas does."""
+    import pickle
+
+    df = _chunked_strings(4, 100_000)
+    part = df.iloc[1000:150_000]
+    payload = pickle.dumps(part, protocol=5)
+    assert len(payload) < 2 * part["s"].array.nbytes
+    back = pickle.loads(payload)
+    pd.testing.assert_frame_equal(back, part)
+    assert back["s"].array._pa_array.num_chunks == 1
+    small = _chunked_strings(3, 1000)
+    back = pickle.loads(pickle.dumps(small, protocol=5))
+    pd.testing.assert_frame_equal(back, small)
+    assert back["s"].array._pa_array.num_chunks == 1
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_distributed_spills_large_datetime_columns_out_of_band(in_place):
+    """numpy pickles datetime64 and timedelta64 in band (a copy into the
+    pickle); pandas' block of several datetime columns is 2-D.  With
+    ``gpushuffle.memory.pickle-without-copy`` they go as int64 views, out of
+    band, and come back with their dtypes (time zone included)."""
+    import pickle
+
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+
+    n = 500_000
+    df = pd.DataFrame(
+        {
+            "naive": pd.date_range("2020", periods=n, freq="s"),
+            "naive2": pd.date_range("2021", periods=n, freq="ms"),
+            "utc": pd.date_range("2020", periods=n, freq="s", tz="UTC"),
+            "delta": pd.to_timedelta(np.arange(n), unit="s"),
+        }
+    )
+    with dask.config.set({"gpushuffle.memory.pickle-without-copy": in_place}):
+        frames = serialize_bytelist(df)
+        in_band = len(pickle.dumps(df, protocol=5, buffer_callback=lambda b: None))
+    if in_place:
+        assert in_band < 64 << 10
+    else:
+        assert in_band >= 4 * n * 8
+    back = deserialize_bytes(b"".join(frames))
+    pd.testing.assert_frame_equal(back, df)
+    # Any protocol, and copy.deepcopy, which reads the same table.
+    pd.testing.assert_frame_equal(pickle.loads(pickle.dumps(df, protocol=2)), df)
+    pd.testing.assert_frame_equal(copy.deepcopy(df), df)

@@ -24,6 +24,19 @@ may be the sender's own memory (an in-process comm, a test).
 Other Arrow types (nested, dictionary, booleans) fall back to pandas'
 pickling.
 
+Pickling by anyone else (distributed spilling or sending an output, the
+client gathering it), in a process that imported gpushuffle's pandas
+backend, without pandas' copies (:func:`register_pickling`): pandas'
+Arrow-backed arrays keep their chunks, instead of ``combine_chunks()``'s
+copy of every byte, where each chunk's buffers hold only its own rows (so
+pyarrow pickles nothing more); its datetime and timedelta arrays send an
+int64 view out of band.  Only arrays of at least
+:data:`PICKLE_IN_PLACE_MIN_BYTES`.  The pickle names only pandas, numpy,
+pyarrow and the standard library, unpickles anywhere (pandas' own
+``__setstate__``), and gives the same values, an Arrow column in the chunks
+it had.  ``gpushuffle.memory.pickle-without-copy: false`` gives pandas' way
+back.
+
 numpy pickles datetime64 and timedelta64 arrays in band (a copy into the
 pickle, and another out of it): they go as an int64 view instead.
 
@@ -37,7 +50,9 @@ Frames end up in such cycles whenever an exception's traceback holds them.
 
 from __future__ import annotations
 
+import copyreg
 import io
+import operator
 import pickle
 import threading
 from typing import Any, cast
@@ -47,6 +62,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pandas.arrays import ArrowExtensionArray
 
+from gpushuffle import config
 from gpushuffle.engine import copies
 
 #: Offsets' width of the variable-width types cut by their offsets.
@@ -355,3 +371,99 @@ def dumps(obj: Any, buffer_callback: Any, chunk_buffers: list[int] | None = None
     finally:
         _pickling.chunk_ids = None
     return out.getvalue()
+
+
+#: Arrays smaller than this pickle pandas' way: an Arrow column combined into
+#: one chunk, datetimes in band; copies too small to matter.
+PICKLE_IN_PLACE_MIN_BYTES = 1 << 20
+
+#: How pickle rebuilds an object of a class without calling ``__init__``
+#: (``cls.__new__(cls)``, then ``__setstate__``), as for pandas' own arrays.
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]
+
+#: Bytes a chunk's buffers may hold beyond its rows and still count as whole
+#: (pyarrow's ``nbytes`` leaves out a string array's last offset).
+_WHOLE_CHUNK_SLACK = 1024
+
+
+def pickles_in_place() -> bool:
+    """Whether large pandas arrays pickle without pandas' copies
+    (``gpushuffle.memory.pickle-without-copy``): Arrow columns as the chunks
+    they are, datetimes out of band."""
+    return bool(config.get("memory.pickle-without-copy"))
+
+
+def _whole_chunks(chunked: Any) -> bool:
+    if not isinstance(chunked, pa.ChunkedArray) or chunked.nbytes < PICKLE_IN_PLACE_MIN_BYTES:
+        return False
+    return pickles_in_place() and all(
+        c.get_total_buffer_size() <= c.nbytes + _WHOLE_CHUNK_SLACK for c in chunked.chunks
+    )
+
+
+def _reduce_extension(values: ArrowExtensionArray) -> tuple[Any, ...]:
+    """pandas' reduction of ``values`` (``copyreg.__newobj__`` and the state
+    its ``__setstate__`` reads), with the chunks as they are where they are
+    whole (:func:`_whole_chunks`); otherwise pandas' own ``__getstate__``,
+    which combines them: pyarrow pickles a sliced array with its parent's
+    whole buffers (ARROW-10739), which is why pandas copies."""
+    if not _whole_chunks(values._pa_array):  # type: ignore[attr-defined]
+        return (_NEWOBJ, (type(values),), values.__getstate__())
+    state = dict(values.__dict__)
+    state["_cache"] = {}
+    return (_NEWOBJ, (type(values),), state)
+
+
+class _Int64View:
+    """Stands for a datetime64 or timedelta64 ndarray while pickling; unpickles
+    as that array, a view of int64 values that numpy pickled out of band
+    (it pickles datetimes in band: their dtype carries a unit)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    def __reduce__(self) -> Any:
+        return (operator.methodcaller("view", self.values.dtype), (self.values.view(np.int64),))
+
+
+def _reduce_datetimes(values: Any) -> Any:
+    """pandas' own reduction of a DatetimeArray or TimedeltaArray, its ndarray
+    in the state pickled as :class:`_Int64View` where it is large and
+    contiguous (pandas' block of several datetime columns is 2-D)."""
+    reduced = values.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if len(reduced) != 3 or not isinstance(reduced[2], tuple) or not pickles_in_place():
+        return reduced
+    func, args, state = reduced
+    return (func, args, tuple(_int64_view(item) for item in state))
+
+
+def _int64_view(item: Any) -> Any:
+    if (
+        isinstance(item, np.ndarray)
+        and item.dtype.kind in "mM"
+        and item.nbytes >= PICKLE_IN_PLACE_MIN_BYTES
+        and (item.flags.c_contiguous or item.flags.f_contiguous)
+    ):
+        return _Int64View(item)
+    return item
+
+
+def register_pickling() -> None:
+    """Reduce pandas' Arrow-backed arrays with :func:`_reduce_extension`, and
+    its datetime and timedelta arrays with :func:`_reduce_datetimes`, in
+    this process (pickle and ``copy`` consult ``copyreg``'s table by exact
+    class: every subclass pandas defines is listed too)."""
+    from pandas.arrays import DatetimeArray, TimedeltaArray
+
+    reducers: list[tuple[type, Any]] = [
+        (ArrowExtensionArray, _reduce_extension),
+        (DatetimeArray, _reduce_datetimes),
+        (TimedeltaArray, _reduce_datetimes),
+    ]
+    for cls, reduce in reducers:
+        classes = [cls]
+        for each in classes:
+            classes.extend(each.__subclasses__())
+            copyreg.pickle(each, reduce)

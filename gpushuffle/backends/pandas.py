@@ -57,6 +57,7 @@ from gpushuffle.backends.dtypes import (
     output_dtype,
 )
 from gpushuffle.backends.pandas_columns import (
+    _KEEP_CHUNK_ROWS,
     _as_index,
     _carve,
     _concat_index,
@@ -597,21 +598,21 @@ class PandasBackend(TableBackend):
         return int(total * share)
 
     #: Pieces of at least _KEEP_CHUNK_ROWS rows keep their string chunks (the
-    #: assembly copies them once), but the fit rule still counts them twice,
-    #: for what follows the build: distributed spills (or sends) an output
-    #: that large by pickling it, and pandas pickles an Arrow column by
-    #: combining its chunks, a copy of every string even of one chunk
-    #: (ArrowExtensionArray.__getstate__).  Counted once (keep_rows =
-    #: _KEEP_CHUNK_ROWS), 1 GiB workers built hot partitions of mixed columns
-    #: within the rule (strings held once: pyarrow's allocations at the
-    #: build's peak were the output's strings) and were then restarted while
-    #: distributed spilled the output (2026-12-06, docs/scaling.md).
-    keep_rows = 0
+    #: assembly copies them once, as each piece is added).
+    keep_rows = _KEEP_CHUNK_ROWS
 
     def kept_nbytes(self, table: PandasTable | BorrowedRows) -> int:
         # Arrow strings: a piece's chunk of keep_rows rows or more is copied
         # (or taken) once as the piece is added and kept as a chunk of the
         # output (_own_large_chunks, _coalesce), not joined at the end.
+        # Counted once only while those chunks pickle as they are: an output
+        # that large is then spilled or sent by distributed, and pandas'
+        # pickle combines an Arrow column's chunks, a second copy of every
+        # string (ArrowExtensionArray.__getstate__: 1 GiB workers built hot
+        # partitions within a rule that counted them once and were restarted
+        # while distributed spilled them, 2026-12-06, docs/scaling.md).
+        if not arrow.pickles_in_place():
+            return 0
         columns, _, share = _columns_and_share(table)
         return int(share * sum(int(c.nbytes) for c in columns if arrow.is_strings(c)))
 
@@ -654,3 +655,7 @@ class PandasBackend(TableBackend):
         copies.count("deserialize", memoryview(frames[0]).nbytes)
         standalone = frozenset(_address(f) for f in frames[1:] if _standalone(f))
         return PandasTable(columns, index, standalone=standalone)
+
+
+# Outputs that distributed spills or sends are pickled without pandas' copies.
+arrow.register_pickling()

@@ -1131,10 +1131,10 @@ def test_distributed_spills_a_large_arrow_column_without_copying_it(in_place):
     assert chunks == (4 if in_place else 1)
 
 
-def test_sliced_or_small_arrow_columns_pickle_the_pandas_way():
+def test_sliced_or_small_arrow_columns_pickle_only_their_rows():
     """A slice's chunks hold their parent's rows (pyarrow would pickle all of
-    them: ARROW-10739), and a small column is not worth many buffers: both
-    are combined into one chunk of their own rows, as pandas does."""
+    them: ARROW-10739): each is copied to its own rows.  A small column is
+    not worth many buffers: it is combined into one chunk, as pandas does."""
     import pickle
 
     df = _chunked_strings(4, 100_000)
@@ -1143,7 +1143,7 @@ def test_sliced_or_small_arrow_columns_pickle_the_pandas_way():
     assert len(payload) < 2 * part["s"].array.nbytes
     back = pickle.loads(payload)
     pd.testing.assert_frame_equal(back, part)
-    assert back["s"].array._pa_array.num_chunks == 1
+    assert back["s"].array._pa_array.num_chunks == 2  # rows of chunks 0 and 1
     small = _chunked_strings(3, 1000)
     back = pickle.loads(pickle.dumps(small, protocol=5))
     pd.testing.assert_frame_equal(back, small)
@@ -1181,3 +1181,50 @@ def test_distributed_spills_large_datetime_columns_out_of_band(in_place):
     # Any protocol, and copy.deepcopy, which reads the same table.
     pd.testing.assert_frame_equal(pickle.loads(pickle.dumps(df, protocol=2)), df)
     pd.testing.assert_frame_equal(copy.deepcopy(df), df)
+
+
+def test_a_sliced_chunk_is_copied_alone_and_dictionaries_pickle_the_pandas_way():
+    """Among whole chunks, one that is a slice of a larger array is copied to
+    its rows alone (not the column, not its parent's buffers).  Dictionary
+    chunks share one dictionary, which pickle would write once per chunk:
+    they are combined, as pandas does."""
+    import pickle
+
+    from distributed.protocol import deserialize_bytes, serialize_bytelist
+
+    whole = [pa.array([f"v{i}-{j:07d}" for j in range(100_000)]) for i in range(4)]
+    sliced = pa.array([f"big{j:07d}" for j in range(400_000)]).slice(0, 100_000)
+    strings = pd.Series(
+        pd.array(pa.chunked_array([*whole, sliced]), dtype=pd.ArrowDtype(pa.string()))
+    )
+    before = pa.total_allocated_bytes()
+    frames = serialize_bytelist(strings)
+    grown = pa.total_allocated_bytes() - before
+    assert sliced.nbytes <= grown < sliced.nbytes + (64 << 10)
+    assert sum(len(f) for f in frames) < 1.2 * strings.array.nbytes
+    back = deserialize_bytes(b"".join(frames))
+    pd.testing.assert_series_equal(back, strings)
+    assert back.array._pa_array.num_chunks == 5
+
+    dictionary = pa.array([f"key-{i:07d}" for i in range(100_000)])
+    codes = np.random.default_rng(0).integers(0, 100_000, (40, 20_000), dtype=np.int32)
+    chunks = [pa.DictionaryArray.from_arrays(pa.array(c), dictionary) for c in codes]
+    keys = pd.Series(pd.array(pa.chunked_array(chunks), dtype=pd.ArrowDtype(chunks[0].type)))
+    payload = pickle.dumps(keys, protocol=5)
+    assert len(payload) < 2 * (dictionary.nbytes + codes.nbytes)  # once, not 40 times
+    pd.testing.assert_series_equal(pickle.loads(payload), keys)
+
+
+def test_shallow_copies_of_large_datetimes_are_datetimes():
+    """copy.copy reads copyreg's table too and hands the state to
+    ``__setstate__`` unpickled: it gets pandas' own state."""
+    n = 500_000
+    for values in (
+        pd.date_range("2020", periods=n, freq="s").array,
+        pd.date_range("2020", periods=n, freq="s", tz="UTC").array,
+        pd.to_timedelta(np.arange(n), unit="s").array,
+    ):
+        assert values.nbytes >= 1 << 20
+        for copied in (copy.copy(values), copy.deepcopy(values)):
+            assert type(copied) is type(values) and copied.dtype == values.dtype
+            assert (copied == values).all()

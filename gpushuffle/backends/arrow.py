@@ -27,10 +27,11 @@ pickling.
 Pickling by anyone else (distributed spilling or sending an output, the
 client gathering it), in a process that imported gpushuffle's pandas
 backend, without pandas' copies (:func:`register_pickling`): pandas'
-Arrow-backed arrays keep their chunks, instead of ``combine_chunks()``'s
-copy of every byte, where each chunk's buffers hold only its own rows (so
-pyarrow pickles nothing more); its datetime and timedelta arrays send an
-int64 view out of band.  Only arrays of at least
+Arrow-backed arrays of strings, binaries and fixed-width types keep their
+chunks, instead of ``combine_chunks()``'s copy of every byte, and a chunk
+that is a slice of a larger array is copied to its rows alone (pyarrow
+would pickle the parent's buffers); its datetime and timedelta arrays send
+an int64 view out of band.  Only arrays of at least
 :data:`PICKLE_IN_PLACE_MIN_BYTES`.  The pickle names only pandas, numpy,
 pyarrow and the standard library, unpickles anywhere (pandas' own
 ``__setstate__``), and gives the same values, an Arrow column in the chunks
@@ -54,6 +55,7 @@ import copyreg
 import io
 import operator
 import pickle
+import sys
 import threading
 from typing import Any, cast
 
@@ -393,24 +395,39 @@ def pickles_in_place() -> bool:
     return bool(config.get("memory.pickle-without-copy"))
 
 
-def _whole_chunks(chunked: Any) -> bool:
-    if not isinstance(chunked, pa.ChunkedArray) or chunked.nbytes < PICKLE_IN_PLACE_MIN_BYTES:
-        return False
-    return pickles_in_place() and all(
-        c.get_total_buffer_size() <= c.nbytes + _WHOLE_CHUNK_SLACK for c in chunked.chunks
+def _pickled_in_place(chunked: Any) -> bool:
+    """Whether an Arrow column pickles chunk by chunk: the setting is on, it
+    is large, and of a type whose chunks have buffers of their own (strings,
+    binaries, fixed width; not dictionaries, whose chunks share one, which
+    pickle would write once per chunk, nor nested types)."""
+    return (
+        isinstance(chunked, pa.ChunkedArray)
+        and _cuttable(chunked.type)
+        and chunked.nbytes >= PICKLE_IN_PLACE_MIN_BYTES
+        and pickles_in_place()
     )
+
+
+def _whole(chunk: pa.Array) -> bool:
+    """Whether ``chunk``'s buffers hold only its rows (not a slice)."""
+    return chunk.get_total_buffer_size() <= chunk.nbytes + _WHOLE_CHUNK_SLACK
 
 
 def _reduce_extension(values: ArrowExtensionArray) -> tuple[Any, ...]:
     """pandas' reduction of ``values`` (``copyreg.__newobj__`` and the state
-    its ``__setstate__`` reads), with the chunks as they are where they are
-    whole (:func:`_whole_chunks`); otherwise pandas' own ``__getstate__``,
-    which combines them: pyarrow pickles a sliced array with its parent's
-    whole buffers (ARROW-10739), which is why pandas copies."""
-    if not _whole_chunks(values._pa_array):  # type: ignore[attr-defined]
+    its ``__setstate__`` reads) with the chunks as they are, where it
+    pickles in place (:func:`_pickled_in_place`); otherwise pandas' own
+    ``__getstate__``, which combines them.  A chunk that is a slice is copied
+    to its rows alone: pyarrow pickles a slice with its parent's whole
+    buffers (ARROW-10739), which is why pandas combines every chunk."""
+    chunked = values._pa_array  # type: ignore[attr-defined]
+    if not _pickled_in_place(chunked):
         return (_NEWOBJ, (type(values),), values.__getstate__())
     state = dict(values.__dict__)
     state["_cache"] = {}
+    if not all(_whole(chunk) for chunk in chunked.chunks):
+        chunks = [c if _whole(c) else pa.concat_arrays([c]) for c in chunked.chunks]
+        state["_pa_array"] = pa.chunked_array(chunks, type=chunked.type)
     return (_NEWOBJ, (type(values),), state)
 
 
@@ -434,6 +451,11 @@ def _reduce_datetimes(values: Any) -> Any:
     contiguous (pandas' block of several datetime columns is 2-D)."""
     reduced = values.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     if len(reduced) != 3 or not isinstance(reduced[2], tuple) or not pickles_in_place():
+        return reduced
+    # copy.copy and copy.deepcopy read copyreg's table too, and a shallow
+    # copy hands the state to __setstate__ as it is, where the view would be
+    # no ndarray: only a pickle gets it.
+    if sys._getframe(1).f_globals.get("__name__") == "copy":
         return reduced
     func, args, state = reduced
     return (func, args, tuple(_int64_view(item) for item in state))

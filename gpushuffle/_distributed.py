@@ -526,7 +526,6 @@ def previous_run(
         plugin = scheduler.plugins.get("shuffle")
         if barrier is None or not isinstance(plugin, ShuffleSchedulerPlugin):
             continue
-        install_partial_restarts(scheduler)
         runs = plugin._shuffles.get(shuffle_id)
         if not runs:
             return None

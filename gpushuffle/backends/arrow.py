@@ -425,8 +425,9 @@ def _reduce_extension(values: ArrowExtensionArray) -> tuple[Any, ...]:
         return (_NEWOBJ, (type(values),), values.__getstate__())
     state = dict(values.__dict__)
     state["_cache"] = {}
-    if not all(_whole(chunk) for chunk in chunked.chunks):
-        chunks = [c if _whole(c) else pa.concat_arrays([c]) for c in chunked.chunks]
+    given = chunked.chunks  # new wrappers on every access: read once
+    chunks = [c if _whole(c) else pa.concat_arrays([c]) for c in given]
+    if any(new is not old for new, old in zip(chunks, given, strict=True)):
         state["_pa_array"] = pa.chunked_array(chunks, type=chunked.type)
     return (_NEWOBJ, (type(values),), state)
 

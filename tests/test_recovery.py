@@ -17,7 +17,7 @@ import dask
 import numpy as np
 import pandas as pd
 import pytest
-from distributed import Nanny, Worker
+from distributed import Nanny, Worker, wait
 from faults import (
     TRANSFER,
     UNPACK,
@@ -37,10 +37,10 @@ from faults import (
 from test_faults import finish, wait_for_restart
 from test_store import make_memory, store_for
 
-from gpushuffle._distributed import ShuffleClosedError
+from gpushuffle._distributed import HELD, ShuffleClosedError
 from gpushuffle.api import partial_recovery
 from gpushuffle.backends.pandas import PandasBackend
-from gpushuffle.engine import recovery
+from gpushuffle.engine import recovery, worker_ops
 from gpushuffle.engine.memory import reset_worker_memory
 from gpushuffle.transport import Shard
 
@@ -381,3 +381,67 @@ async def test_other_shuffles_send_no_gpushuffle_op_to_workers(c, s, a):
         await asyncio.sleep(1)  # the shuffle is forgotten meanwhile
         assert w.address in s.workers and w.status.name == "running"
         assert w.batched_stream is not None and not w.batched_stream.comm.closed()
+
+
+@pytest.mark.recovery
+@cluster_test(n_workers=1, config=PARTIAL)
+async def test_every_worker_knows_gpushuffles_ops_before_its_first_run(c, s, a):
+    """The workers there as the first run is created, and those that join
+    later, get gpushuffle's handlers from its worker plugin, not as they
+    create a run of their own."""
+    await c.gather(c.compute(gpushuffled(8, 1000, 4).to_delayed()))
+    await wait_for(lambda: worker_ops.WorkerOps.name in a.plugins, what="the plugin on a")
+    async with Worker(s.address, nthreads=1) as w:
+        assert worker_ops.WorkerOps.name in w.plugins
+        assert HELD in w.handlers and not w.plugins["shuffle"].shuffle_runs._runs
+        await wait_for(lambda: w.address in s.plugins["gpushuffle-ops-known"].workers)
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("plugin_reached", [True, False])
+@pytest.mark.recovery
+@cluster_test(n_workers=3, config={**PARTIAL, "distributed.scheduler.work-stealing": False})
+async def test_a_survivor_that_has_no_run_yet_is_asked_what_it_holds(
+    c, s, a, b, w3, plugin_reached
+):
+    """w3 computes no input and its first shard is held up, so it has not
+    created the run when b leaves: the next run's senders still learn what
+    it holds (nothing) and send it its share, and every row arrives once.
+    Without gpushuffle's worker plugin on w3 (``plugin_reached=False``: as
+    if it had not reached w3 yet) the senders ask again until w3 knows."""
+    expected = truth(NIN, ROWS, NOUT)
+    inputs = c.persist(frame(NIN, ROWS), workers=[a.address, b.address])
+    await wait(inputs)
+    released = asyncio.Event()
+    receive = w3.handlers["shuffle_receive"]
+
+    async def held_up_receive(**kwargs: Any) -> Any:
+        await released.wait()
+        return await receive(**kwargs)
+
+    w3.handlers["shuffle_receive"] = held_up_receive
+    with dask.config.set({"gpushuffle.comm.message-bytes-limit": "256 KiB"}):
+        out = inputs.shuffle("key", npartitions=NOUT, shuffle_method="gpushuffle")
+        futures = c.compute(out.to_delayed())
+        shuffle_id = await wait_for_shuffle(s)
+        await wait_for_tasks(s, TRANSFER, "memory", 4)
+        assert not w3.plugins["shuffle"].shuffle_runs._active_runs
+        if not plugin_reached:
+            assert w3.handlers.pop(HELD)
+        await b.close()
+        await wait_for(lambda: len(run_ids(s, shuffle_id)) >= 2, what="the next run")
+        if plugin_reached:
+            # Held up until a sent an input in the next run, i.e. asked w3
+            # what it holds: a shard of the run before let in creates w3's run.
+            await wait_for(
+                lambda: count_tasks(s, TRANSFER, "memory") or count_tasks(s, TRANSFER, "erred"),
+                what="an input sent in the next run",
+            )
+        else:  # a asks meanwhile and is answered None
+            await asyncio.sleep(0.5)
+            assert not count_tasks(s, TRANSFER, "memory")
+        released.set()
+        assert_correct(await c.gather(futures), expected)
+    assert _last_spec(s, shuffle_id).generation >= 1
+    del futures, inputs, out
+    await finish(c, s)

@@ -31,6 +31,7 @@ from tornado.ioloop import PeriodicCallback
 
 from gpushuffle import config, samehost
 from gpushuffle._distributed import (
+    HELD,
     RESTART_FOR_OUTPUT,
     RESTRICT_OUTPUT_TASK,
     P2PConsistencyError,
@@ -71,6 +72,12 @@ if TYPE_CHECKING:
     from gpushuffle._distributed import ShuffleWorkerPlugin
 
 T = TypeVar("T")
+
+
+class NoHandlerYet(ConnectionError):
+    """A peer answered a gpushuffle op as distributed answers one it has no
+    handler for; retried as a failed connection is (it soon will have it)."""
+
 
 #: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
 #: default) are held back until that much is ready for their worker.
@@ -269,7 +276,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     async def _ask_held(self, address: str) -> dict[str, Any]:
         async def attempt() -> dict[str, Any]:
             call = self.rpc(address).gpushuffle_held(shuffle_id=self.id, run_id=self.run_id)
-            result: dict[str, Any] = await asyncio.wait_for(call, self.send_timeout)
+            result: dict[str, Any] | None = await asyncio.wait_for(call, self.send_timeout)
+            if result is None:
+                # distributed's answer to an op without a handler: the
+                # worker has not set up gpushuffle's yet (WorkerOps).
+                raise NoHandlerYet(f"{address} has no {HELD} handler (yet)")
             return result
 
         return await self._unless_closing(
@@ -1036,6 +1047,7 @@ class GPUShuffleSpec(ShuffleSpec[int]):
 
         for scheduler in prepare_schedulers(self.id):
             dashboard.install(scheduler)
+            worker_ops.reach_every_worker(scheduler)
         spec = self
         if self.partial_recovery:
             spec, worker_for = recovery.next_run(self, worker_for)

@@ -2,27 +2,85 @@
 distributed's own shuffle ops: release a failed run, keep a run's store for
 the next run, drop what was kept, say what a recovering run holds.
 
-Registered on a worker as a gpushuffle run starts there (:func:`install`),
-which then tells the scheduler so (``_distributed.OpsKnown``): a stream op a
-worker does not know would cut it off from the scheduler.
+Registered on every worker of a cluster from the first gpushuffle run on
+(:class:`WorkerOps`, a worker plugin the scheduler hands to the workers it
+has and to each that joins), and on a worker as it creates a run, whichever
+comes first (:func:`install`); the worker then tells the scheduler so
+(``_distributed.OpsKnown``): a stream op a worker does not know would cut it
+off from the scheduler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from gpushuffle._distributed import DROP_KEPT, HELD, KEEP_RUN, OPS_KNOWN, RELEASE_FAILED_RUN
+from distributed import WorkerPlugin
+from distributed.protocol.pickle import dumps
+
+from gpushuffle._distributed import (
+    DROP_KEPT,
+    HELD,
+    KEEP_RUN,
+    OPS_KNOWN,
+    RELEASE_FAILED_RUN,
+    ShuffleWorkerPlugin,
+)
 from gpushuffle.engine import recovery
 
 if TYPE_CHECKING:
-    from distributed import Worker
-
-    from gpushuffle._distributed import ShuffleWorkerPlugin
+    from distributed import Scheduler, Worker
 
 logger = logging.getLogger(__name__)
+
+
+class WorkerOps(WorkerPlugin):
+    """Gives a worker gpushuffle's handlers as the plugin reaches it, before
+    it creates a run: a recovering run's senders ask every receiver what it
+    holds (:data:`HELD`), one that got no shard of the run before yet
+    included (distributed answers an op without a handler with None)."""
+
+    name = "gpushuffle-ops"
+
+    def setup(self, worker: Worker) -> None:
+        plugin = worker.plugins.get("shuffle")
+        if isinstance(plugin, ShuffleWorkerPlugin):
+            install(worker, plugin)
+
+
+#: Broadcasts of :class:`WorkerOps` under way (a task nothing else holds
+#: could be collected before it ends).
+_reaching: set[asyncio.Future[Any]] = set()
+
+
+def reach_every_worker(scheduler: Scheduler) -> None:
+    """Have every worker of ``scheduler``, and each that joins it later, set
+    up :class:`WorkerOps` (once per scheduler; on its event loop).
+
+    As ``Scheduler.register_worker_plugin`` does, but the plugin is
+    recorded before this returns, so a worker that registers meanwhile gets
+    it too; a worker that fails to set it up is logged, not an error of the
+    run being created.
+    """
+    if WorkerOps.name in scheduler.worker_plugins:
+        return
+    plugin = dumps(WorkerOps())
+    scheduler.worker_plugins[WorkerOps.name] = plugin
+    message = {"op": "plugin-add", "plugin": plugin, "name": WorkerOps.name}
+    broadcast = asyncio.ensure_future(scheduler.broadcast(msg=message, on_error="ignore"))
+    _reaching.add(broadcast)
+    broadcast.add_done_callback(_reached)
+
+
+def _reached(broadcast: asyncio.Future[Any]) -> None:
+    _reaching.discard(broadcast)
+    if not broadcast.cancelled() and broadcast.exception() is not None:
+        logger.warning(
+            "gpushuffle's worker plugin reached not every worker: %r", broadcast.exception()
+        )
 
 
 def install(worker: Worker, plugin: ShuffleWorkerPlugin) -> None:

@@ -457,22 +457,32 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
         super().transition(key, start, finish, *args, stimulus_id=stimulus_id, **kwargs)
 
     def _keep_if_a_worker_left(self, shuffle: SchedulerShuffleState) -> None:
+        alive = [w for w in shuffle.participating_workers if w in self.scheduler.workers]
+        if len(alive) < len(shuffle.participating_workers):
+            self._keep(shuffle, alive)
+
+    def _keep(self, shuffle: SchedulerShuffleState, workers: list[str]) -> None:
+        """Have ``workers`` keep their stores of ``shuffle``'s run for the
+        next run, as it fails (partial recovery only)."""
         barrier = self.scheduler.tasks.get(barrier_key(shuffle.id))
         if barrier is None or not _partial(barrier):
             return
-        alive = [w for w in shuffle.participating_workers if w in self.scheduler.workers]
-        if len(alive) == len(shuffle.participating_workers):
-            return
         message = {"op": KEEP_RUN, "shuffle_id": shuffle.id, "run_id": shuffle.run_id}
-        ops_known(self.scheduler).send(alive, message)
+        ops_known(self.scheduler).send(workers, message)
 
     def restart_for_output(self, id: ShuffleId, run_id: int, partition: int) -> None:
-        """Run ``id`` again: output ``partition``, built before a worker left
-        and so left out of run ``run_id``, is needed again (its result was
-        lost).  The next run leaves it in."""
+        """Run ``id`` again: output ``partition`` is needed again but run
+        ``run_id`` no longer holds its rows (built before a worker left and
+        so left out of the run, or read already: ``GPUShuffleRun.
+        raise_if_read``).  The next run leaves it in; under partial recovery
+        the workers keep what they hold for it (the same stream as the
+        failure, so the keep arrives first)."""
         shuffle = self.active_shuffles.get(id)
         if shuffle is None or shuffle.run_id != run_id:
             return  # already restarted
+        self._keep(
+            shuffle, [w for w in shuffle.participating_workers if w in self.scheduler.workers]
+        )
         stimulus_id = f"gpushuffle-output-{partition}-needed-again-{time.time()}"
         self._fail_on_workers(shuffle, f"output {partition} of {shuffle} is needed again")
         self._clean_on_scheduler(id, stimulus_id)

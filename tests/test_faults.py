@@ -52,6 +52,7 @@ from faults import (
 )
 
 from gpushuffle._distributed import barrier_key
+from gpushuffle.backends.pandas import PandasBackend
 from gpushuffle.engine.memory import reset_worker_memory, worker_memory
 from gpushuffle.engine.run import GPUShuffleRun, GPUShuffleSpec
 
@@ -695,4 +696,36 @@ async def test_crashed_worker_with_no_allowed_failures_raises_killed_worker(c, s
             await c.gather(futures)
         del futures
         await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
+@cluster_test(n_workers=2)
+async def test_an_output_task_tried_again_after_its_read_is_built_from_another_run(
+    c, s, a, b, recovery
+):
+    """An output's first try fails after taking its rows out of the store
+    (``retries=1`` tries it again): the second try does not build it from
+    what is left (nothing) but has the scheduler run the shuffle again."""
+    expected = truth(NIN, ROWS, NOUT)
+    failed: list[int] = []
+    assemble = PandasBackend.assemble
+
+    def assemble_failing_once(self: PandasBackend, tables: Any, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(len(list(tables)))  # every piece read
+            raise MemoryError("the first try failed after its read")
+        return assemble(self, tables, *args, **kwargs)
+
+    settings = {"gpushuffle.recovery": recovery}
+    with (
+        dask.config.set(settings),
+        mock.patch.object(PandasBackend, "assemble", assemble_failing_once),
+    ):
+        futures = c.compute(gpushuffled(NIN, ROWS, NOUT).to_delayed(), retries=1)
+        shuffle_id = await wait_for_shuffle(s)
+        assert_correct(await c.gather(futures), expected)
+    assert failed and failed[0] > 0
+    assert len(run_ids(s, shuffle_id)) >= 2
+    del futures
     await finish(c, s)

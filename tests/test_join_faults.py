@@ -8,6 +8,9 @@ must hold nothing and the scheduler must forget both shuffles.
 from __future__ import annotations
 
 import functools
+import threading
+from typing import Any
+from unittest import mock
 
 import dask
 import dask.dataframe as dd
@@ -15,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from dask.utils import key_split
-from distributed import Nanny
+from distributed import Nanny, wait
 from distributed.diagnostics.plugin import SchedulerPlugin
 from faults import (
     TRANSFER,
@@ -30,6 +33,8 @@ from faults import (
 )
 from truth import checksum
 
+from gpushuffle._distributed import barrier_key
+from gpushuffle.backends.pandas import PandasBackend
 from gpushuffle.engine.memory import reset_worker_memory
 
 pytestmark = pytest.mark.timeout(180)
@@ -201,4 +206,52 @@ async def test_crashed_worker_during_join_unpack(c, s, a):
             what="the nanny to restart its worker",
         )
         await assert_workers_clean(c)
+    await finish(c, s)
+
+
+@pytest.mark.parametrize("recovery", ["partial", "restart"])
+@cluster_test(n_workers=3, config={"distributed.scheduler.work-stealing": False}, timeout=120)
+async def test_one_side_restarted_while_the_join_builds_its_outputs(c, s, a, b, w3, recovery):
+    """The worker that owns no output (3 workers, 2 outputs) holds left
+    transfers only, and leaves while every output task has read both sides
+    and merges them: the left side runs again, the right side does not, and
+    the output tasks run again.  The right side's rows were taken out of its
+    store by their first read: its run must not build them again from what
+    is left (nothing: every output came out empty), but run again itself."""
+    nout, workers = 2, {w.address: w for w in (a, b, w3)}
+    owners, idle = sorted(workers)[:2], sorted(workers)[-1]
+    right = dd.from_map(make_right, range(NRIGHT), rows=ROWS, meta=make_right(0, 0))
+    tasks = frame(NLEFT, ROWS).merge(right, on="key", npartitions=nout, shuffle_method="tasks")
+    expected = dask.compute(*tasks.to_delayed(), scheduler="sync")
+    right = c.persist(right, workers=owners)
+    left = c.persist(frame(NLEFT, ROWS), workers=[idle], allow_other_workers=True)
+    await wait([left, right])
+    gate, merging = threading.Event(), []
+    merge = PandasBackend.merge
+
+    def held_merge(self: PandasBackend, *args: Any, **kwargs: Any) -> Any:
+        merging.append(1)
+        gate.wait(60)
+        return merge(self, *args, **kwargs)
+
+    settings = {"gpushuffle.recovery": recovery}
+    with dask.config.set(settings), mock.patch.object(PandasBackend, "merge", held_merge):
+        out = left.merge(right, on="key", npartitions=nout, shuffle_method="gpushuffle")
+        futures = c.compute(out.to_delayed())
+        ids = await wait_for_join(s)
+        await wait_for(lambda: len(merging) == nout, what="both outputs merging")
+        # idle ran left transfers only: it takes part in the left side's run.
+        active = s.plugins["shuffle"].active_shuffles
+        (left_id,) = [i for i in ids if idle in active[i].participating_workers]
+        await workers[idle].close()
+        # The left side's barrier released (restarting it), and with it the
+        # output tasks; the merges under way then end, their results unwanted.
+        await wait_for(lambda: s.tasks[barrier_key(left_id)].state != "memory")
+        gate.set()
+        got = await c.gather(futures)
+    assert [len(p) for p in got] == [len(p) for p in expected]
+    for part, truth_part in zip(got, expected, strict=True):
+        assert checksum(part, index=False) == checksum(truth_part, index=False)
+    assert restarted(s, ids)  # the right side too, once its rows were found gone
+    del futures, left, right, out
     await finish(c, s)

@@ -25,7 +25,7 @@ from gpushuffle._distributed import (
 )
 from gpushuffle.engine.partitioning import hash_partitions, plain_keys
 from gpushuffle.engine.registry import backend_for
-from gpushuffle.engine.tasks import _phase_errors, get_output, transfer
+from gpushuffle.engine.tasks import _phase_errors, get_output, raise_if_read, transfer
 
 #: The partition-id column added to each side before its transfer (dask's
 #: name for it in ``HashJoinP2P``).
@@ -109,6 +109,12 @@ def join_unpack(
     Each side is assembled against its meta, then the two are merged by the
     backend; neither side becomes a key of its own in worker memory.
     """
+    # Each side's read takes its rows out of its store: where either side
+    # needs another run, neither is read (a left side read before the right
+    # side asks for another run would need one too).
+    for side, run_id in ((id_left, barrier_left), (id_right, barrier_right)):
+        with _phase_errors(side, "unpack", f"output partition {output_partition}"):
+            raise_if_read(side, run_id, output_partition)
     with _phase_errors(id_left, "unpack", f"output partition {output_partition}, left side"):
         left = get_output(id_left, barrier_left, output_partition)
     with _phase_errors(id_right, "unpack", f"output partition {output_partition}, right side"):

@@ -194,6 +194,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # Set once the first unpack has made room for the outputs and checked
         # that they fit: other task threads wait for it before building any.
         self._outputs_checked = threading.Event()
+        #: Output partitions this run has taken out of its store.
+        self._outputs_read: set[int] = set()
         self._inputs_done_lock = asyncio.Lock()
         # Partial recovery (:mod:`gpushuffle.engine.recovery`): a run after a
         # worker's loss adopts what this worker's run before it held.
@@ -808,12 +810,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # cost as much as building the output; here the check is made in
         # the task's thread and the loop is asked only to reschedule.
         self.raise_if_closed()
-        if partition_id in self.spec.done:
-            # Built before a worker left, and needed again since (its result
-            # was lost): nobody sent rows for it in this run.  The scheduler
-            # starts another run in which it is not done.
-            sync(self._loop, self._restart_for, partition_id)
-            raise ShuffleClosedError(f"{self}: output {partition_id} needs another run")
+        self.raise_if_read(partition_id)
         if self._get_assigned_worker(partition_id) != self.local_address:
             sync(self._loop, self._ensure_output_worker, partition_id, key)  # raises Reschedule
         if self.recovery.adopting:
@@ -826,6 +823,19 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             context_meter.meter("p2p-get-output-cpu", func=thread_time),
         ):
             return self._get_output_partition(partition_id, key, **kwargs)
+
+    def raise_if_read(self, partition_id: int) -> None:
+        """Have the scheduler start another run, and raise, where output
+        ``partition_id`` is asked for again but its rows are gone from this
+        run: built before a worker left (nobody sent rows for it in this
+        run), or read here already (reading takes the rows out of the
+        store).  The second happens when an output task runs again without
+        this shuffle restarting: the other side of a join restarted while
+        the join's output was being built, or the task's first try failed
+        after the read.  Not a store read again, which would build it empty."""
+        if partition_id in self.spec.done or partition_id in self._outputs_read:
+            sync(self._loop, self._restart_for, partition_id)
+            raise ShuffleClosedError(f"{self}: output {partition_id} needs another run")
 
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
         # What the transfer left in malloc's heaps goes back before the first
@@ -852,6 +862,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if self._too_large is not None:
             raise self._too_large
         nrows, tables = self.store.read(partition_id, owner=self)
+        self._outputs_read.add(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)
         with copies.timed("unpack"):

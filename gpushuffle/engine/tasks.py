@@ -97,6 +97,17 @@ def get_output(id: ShuffleId, barrier_run_id: int, partition: int) -> Any:
     return run.get_output_partition(partition_id=partition, key=thread_state.key)
 
 
+def raise_if_read(id: ShuffleId, barrier_run_id: int, partition: int) -> None:
+    """Raise where the worker's run ``barrier_run_id`` of ``id`` no longer
+    holds ``partition``'s rows (``GPUShuffleRun.raise_if_read``); a worker
+    without that run yet has read nothing of it."""
+    run = known_run(_worker_plugin(), id, barrier_run_id)
+    # Not isinstance(run, GPUShuffleRun): engine.run imports this module's users.
+    check = getattr(run, "raise_if_read", None)
+    if check is not None:
+        check(partition)
+
+
 def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:
     """Assemble one output partition from the shards this worker holds."""
     with _phase_errors(id, "unpack", f"output partition {output_partition}"):

@@ -501,9 +501,10 @@ def install_partial_restarts(scheduler: Scheduler) -> None:
         scheduler.handlers["shuffle_barrier"] = plugin.barrier
 
 
-def _restart_for_output_handler(plugin: PartialRestartPlugin) -> Callable[..., None]:
-    def gpushuffle_restart_for_output(id: ShuffleId, run_id: int, partition: int) -> None:
+def _restart_for_output_handler(plugin: PartialRestartPlugin) -> Callable[..., dict[str, str]]:
+    def gpushuffle_restart_for_output(id: ShuffleId, run_id: int, partition: int) -> dict[str, str]:
         plugin.restart_for_output(id, run_id, partition)
+        return {"status": "OK"}  # not None: what a worker gets where there is no handler
 
     return gpushuffle_restart_for_output
 

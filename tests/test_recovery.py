@@ -426,7 +426,8 @@ async def test_a_survivor_that_has_no_run_yet_is_asked_what_it_holds(
         shuffle_id = await wait_for_shuffle(s)
         await wait_for_tasks(s, TRANSFER, "memory", 4)
         assert not w3.plugins["shuffle"].shuffle_runs._active_runs
-        if not plugin_reached:
+        if not plugin_reached:  # once it did (it would give the handler back)
+            await wait_for(lambda: worker_ops.WorkerOps.name in w3.plugins)
             assert w3.handlers.pop(HELD)
         await b.close()
         await wait_for(lambda: len(run_ids(s, shuffle_id)) >= 2, what="the next run")

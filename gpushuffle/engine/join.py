@@ -110,11 +110,9 @@ def join_unpack(
     backend; neither side becomes a key of its own in worker memory.
     """
     # Each side's read takes its rows out of its store: where either side
-    # needs another run, neither is read (a left side read before the right
-    # side asks for another run would need one too).
-    for side, run_id in ((id_left, barrier_left), (id_right, barrier_right)):
-        with _phase_errors(side, "unpack", f"output partition {output_partition}"):
-            raise_if_read(side, run_id, output_partition)
+    # needs another run, neither is read, and both run again.
+    with _phase_errors(id_left, "unpack", f"output partition {output_partition}"):
+        raise_if_read([(id_left, barrier_left), (id_right, barrier_right)], output_partition)
     with _phase_errors(id_left, "unpack", f"output partition {output_partition}, left side"):
         left = get_output(id_left, barrier_left, output_partition)
     with _phase_errors(id_right, "unpack", f"output partition {output_partition}, right side"):

@@ -826,16 +826,25 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     def raise_if_read(self, partition_id: int) -> None:
         """Have the scheduler start another run, and raise, where output
-        ``partition_id`` is asked for again but its rows are gone from this
-        run: built before a worker left (nobody sent rows for it in this
-        run), or read here already (reading takes the rows out of the
-        store).  The second happens when an output task runs again without
-        this shuffle restarting: the other side of a join restarted while
-        the join's output was being built, or the task's first try failed
-        after the read.  Not a store read again, which would build it empty."""
-        if partition_id in self.spec.done or partition_id in self._outputs_read:
-            sync(self._loop, self._restart_for, partition_id)
+        ``partition_id`` needs one (:meth:`needs_another_run`)."""
+        if self.needs_another_run(partition_id):
+            self.request_another_run(partition_id)
             raise ShuffleClosedError(f"{self}: output {partition_id} needs another run")
+
+    def needs_another_run(self, partition_id: int) -> bool:
+        """Whether output ``partition_id``'s rows are gone from this run:
+        built before a worker left (nobody sent rows for it in this run), or
+        read here already (reading takes the rows out of the store).  The
+        second happens when an output task runs again without this shuffle
+        restarting: the other side of a join restarted while the join's
+        output was being built, or the task's first try failed after the
+        read.  Not a store read again, which would build it empty."""
+        return partition_id in self.spec.done or partition_id in self._outputs_read
+
+    def request_another_run(self, partition_id: int) -> None:
+        """Have the scheduler run the shuffle again with output
+        ``partition_id`` in it (a no-op where it did already)."""
+        sync(self._loop, self._restart_for, partition_id)
 
     def _get_output_partition(self, partition_id: int, key: Key, **kwargs: Any) -> Any:
         # What the transfer left in malloc's heaps goes back before the first
@@ -862,7 +871,8 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if self._too_large is not None:
             raise self._too_large
         nrows, tables = self.store.read(partition_id, owner=self)
-        self._outputs_read.add(partition_id)
+        if nrows:  # an empty one reads the same again
+            self._outputs_read.add(partition_id)
         if not nrows:
             return self.backend.empty(self.meta_out)
         with copies.timed("unpack"):
@@ -870,7 +880,15 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def _restart_for(self, partition_id: int) -> None:
         restart = getattr(self.scheduler, RESTART_FOR_OUTPUT)
-        await restart(id=self.id, run_id=self.run_id, partition=partition_id)
+        answer = await restart(id=self.id, run_id=self.run_id, partition=partition_id)
+        if answer is None:
+            # No such handler: rescheduling the task would ask again forever.
+            raise P2PConsistencyError(
+                f"{self}: output {partition_id} is needed again but its rows are gone, and "
+                f"the scheduler cannot run the shuffle again (it has no {RESTART_FOR_OUTPUT} "
+                "handler: gpushuffle could not reach it from the shuffle's first run). "
+                "Compute the result again."
+            )
 
     def _get_assigned_worker(self, i: int) -> str:
         return self.worker_for[i]

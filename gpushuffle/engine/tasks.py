@@ -97,15 +97,21 @@ def get_output(id: ShuffleId, barrier_run_id: int, partition: int) -> Any:
     return run.get_output_partition(partition_id=partition, key=thread_state.key)
 
 
-def raise_if_read(id: ShuffleId, barrier_run_id: int, partition: int) -> None:
-    """Raise where the worker's run ``barrier_run_id`` of ``id`` no longer
-    holds ``partition``'s rows (``GPUShuffleRun.raise_if_read``); a worker
-    without that run yet has read nothing of it."""
-    run = known_run(_worker_plugin(), id, barrier_run_id)
+def raise_if_read(sides: list[tuple[ShuffleId, int]], partition: int) -> None:
+    """Where output ``partition`` of any of ``sides`` (a join's two: shuffle
+    id, run id) needs another run (``GPUShuffleRun.needs_another_run``),
+    have the scheduler run every side again, and raise.  Every side: the
+    output tasks the restart of one side releases may have read the other's
+    rows already, and would restart it in turn, and so on.  A worker without
+    a side's run has read nothing of it."""
+    plugin = _worker_plugin()
     # Not isinstance(run, GPUShuffleRun): engine.run imports this module's users.
-    check = getattr(run, "raise_if_read", None)
-    if check is not None:
-        check(partition)
+    runs = [known_run(plugin, id, run_id) for id, run_id in sides]
+    ours: list[Any] = [run for run in runs if hasattr(run, "needs_another_run")]
+    if any(run.needs_another_run(partition) for run in ours):
+        for run in ours:
+            run.request_another_run(partition)
+        raise ShuffleClosedError(f"output {partition} needs another run of {sides}")
 
 
 def unpack(id: ShuffleId, output_partition: int, barrier_run_id: int) -> Any:

@@ -457,18 +457,18 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
         super().transition(key, start, finish, *args, stimulus_id=stimulus_id, **kwargs)
 
     def _keep_if_a_worker_left(self, shuffle: SchedulerShuffleState) -> None:
-        alive = [w for w in shuffle.participating_workers if w in self.scheduler.workers]
-        if len(alive) < len(shuffle.participating_workers):
-            self._keep(shuffle, alive)
+        if not shuffle.participating_workers <= self.scheduler.workers.keys():
+            self._keep(shuffle)
 
-    def _keep(self, shuffle: SchedulerShuffleState, workers: list[str]) -> None:
-        """Have ``workers`` keep their stores of ``shuffle``'s run for the
-        next run, as it fails (partial recovery only)."""
+    def _keep(self, shuffle: SchedulerShuffleState) -> None:
+        """Have the run's live workers keep their stores of ``shuffle``'s run
+        for the next run, as it fails (partial recovery only)."""
         barrier = self.scheduler.tasks.get(barrier_key(shuffle.id))
         if barrier is None or not _partial(barrier):
             return
         message = {"op": KEEP_RUN, "shuffle_id": shuffle.id, "run_id": shuffle.run_id}
-        ops_known(self.scheduler).send(workers, message)
+        # OpsKnown.send leaves out the workers the scheduler no longer has.
+        ops_known(self.scheduler).send(shuffle.participating_workers, message)
 
     def restart_for_output(self, id: ShuffleId, run_id: int, partition: int) -> None:
         """Run ``id`` again: output ``partition`` is needed again but run
@@ -480,9 +480,7 @@ class PartialRestartPlugin(ShuffleSchedulerPlugin):
         shuffle = self.active_shuffles.get(id)
         if shuffle is None or shuffle.run_id != run_id:
             return  # already restarted
-        self._keep(
-            shuffle, [w for w in shuffle.participating_workers if w in self.scheduler.workers]
-        )
+        self._keep(shuffle)
         stimulus_id = f"gpushuffle-output-{partition}-needed-again-{time.time()}"
         self._fail_on_workers(shuffle, f"output {partition} of {shuffle} is needed again")
         self._clean_on_scheduler(id, stimulus_id)

@@ -871,10 +871,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if self._too_large is not None:
             raise self._too_large
         nrows, tables = self.store.read(partition_id, owner=self)
-        if nrows:  # an empty one reads the same again
-            self._outputs_read.add(partition_id)
-        if not nrows:
+        if not nrows:  # an empty one reads the same again
             return self.backend.empty(self.meta_out)
+        self._outputs_read.add(partition_id)
         with copies.timed("unpack"):
             return self.backend.assemble(tables, nrows, self.meta_out, self.keep_index)
 

@@ -253,8 +253,27 @@ def persisted_evenly(
         )
         for i, future in zip(mine, placed, strict=True):
             futures[i] = future
+    _placement_only(client, futures)
     # The persisted keys alias the futures' results where they are: no copy.
     return dd.from_delayed(futures, meta=meta, verify_meta=False).persist()
+
+
+def _placement_only(client: Any, futures: Sequence[Any]) -> None:
+    """Drop the inputs' worker restrictions once they are computed where
+    they were placed: a worker lost later has its inputs recomputed on any
+    worker, as inputs read from files would be.
+
+    Kept, a restriction strands its task where every worker is lost at once
+    (a soak on 2 workers, losses every half-run): the task goes
+    ``no-worker``, and distributed (2026.7.1,
+    ``Scheduler.bulk_schedule_unrunnable_after_adding_worker``) gives a
+    joining worker only tasks whose restrictions name it, whatever
+    ``allow_other_workers`` says, so the shuffle never finishes.
+    """
+    from distributed import wait
+
+    wait(list(futures))
+    client.sync(client.scheduler.set_restrictions, worker={future.key: None for future in futures})
 
 
 def _partition_as(

@@ -1064,3 +1064,31 @@ def test_bench_input_is_spread_evenly_over_the_workers():
         assert len(got) == 1_000
         assert list(got.dtypes) == list(df._meta.dtypes)
         pd.testing.assert_frame_equal(got, generated_frame(1_000, 7, 4, "mixed").compute())
+
+
+def _worker_pid() -> int:
+    return os.getpid()
+
+
+def test_bench_input_is_computed_again_after_every_worker_is_lost():
+    """The placement is a preference for the first computation only: with
+    every worker SIGKILLed at once, the new workers compute the inputs
+    again (a restriction to the dead addresses kept them ``no-worker`` for
+    good in distributed 2026.7.1, and a 2-worker soak hung)."""
+    from distributed import Client, LocalCluster, wait
+
+    from gpushuffle.bench import generated_frame, persisted_evenly
+
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        df = persisted_evenly(client, 1_000, 6, columns=3, dtypes="numeric")
+        wait(df)
+        for pid in client.run(_worker_pid).values():
+            os.kill(pid, signal.SIGKILL)
+        got = client.compute(df).result(timeout=60)
+        assert len(got) == 1_000
+        pd.testing.assert_frame_equal(got, generated_frame(1_000, 6, 3, "numeric").compute())

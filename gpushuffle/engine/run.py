@@ -43,7 +43,7 @@ from gpushuffle._distributed import (
     prepare_schedulers,
 )
 from gpushuffle.engine import budget, copies, links, recovery, worker_ops
-from gpushuffle.engine.memory import DEVICE, DISK, HOST, worker_memory
+from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory, worker_memory
 from gpushuffle.engine.outputs import (
     check_outputs_fit,
 )
@@ -146,6 +146,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             meta_out = meta_out.reset_index(drop=True)
         self.meta_out = meta_out
         self.worker_for = worker_for
+        self._worker = worker
         on_device = self.backend.tier == DEVICE
         memory = worker_memory(
             device_sharers=budget.workers_sharing_the_gpu(worker.address, worker_for.values())
@@ -153,6 +154,30 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             else None
         )
         memory.runs_started += 1
+        self._configure_sends(worker.address, worker_for, on_device)
+        self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
+        self._inputs_done_started = False
+        self._too_large: ShuffleOutputTooLargeError | None = None
+        # Set once the first unpack has made room for the outputs and checked
+        # that they fit: other task threads wait for it before building any.
+        self._outputs_checked = threading.Event()
+        #: Output partitions this run has taken out of its store.
+        self._outputs_read: set[int] = set()
+        self._inputs_done_lock = asyncio.Lock()
+        self._open_store(spec, worker_for, run_id, memory)
+        self._watch_memory(memory, plugin)
+        worker_ops.install(worker, plugin)
+        self._closing = asyncio.Event()
+        self._layout(worker_for, spec.npartitions, spec.done)
+        # A worker paused for its memory runs no task until that drops; what
+        # the store holds in memory goes to disk meanwhile (ShardStore.shed_host).
+        self._shedding: asyncio.Future[int] | None = None
+        self._pause_watch = PeriodicCallback(self._shed_if_paused, _PAUSE_CHECK_MS)
+        worker.loop.add_callback(self._start_pause_watch)
+
+    def _configure_sends(self, address: str, worker_for: dict[int, str], on_device: bool) -> None:
+        """How this run sends: message sizes, what waits per peer, compression
+        and same-host reads, from gpushuffle's configuration."""
         self.send_timeout = parse_timedelta(config.get("comm.timeout"), default="s") or None
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
         # Remote shards smaller than this wait, per worker, until this much
@@ -166,7 +191,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.same_host_reads = bool(config.get("comm.same-host-reads"))
         self.compression = links.RunCompression(links.configured_mode())
         self.link_backlog_s = parse_timedelta(config.get("comm.link-backlog"), default="s") or 0
-        self._host = get_address_host(worker.address)
+        self._host = get_address_host(address)
         self._remote_hosts = {
             get_address_host(a) for a in worker_for.values() if get_address_host(a) != self._host
         }
@@ -188,17 +213,14 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self.lingering_peak = 0
         self.lingering_sheds = 0
         self.lingering_detached = 0
-        self.borrow_inputs = spec.borrow_inputs and bool(config.get("memory.borrow-inputs"))
-        self._inputs_done_started = False
-        self._too_large: ShuffleOutputTooLargeError | None = None
-        # Set once the first unpack has made room for the outputs and checked
-        # that they fit: other task threads wait for it before building any.
-        self._outputs_checked = threading.Event()
-        #: Output partitions this run has taken out of its store.
-        self._outputs_read: set[int] = set()
-        self._inputs_done_lock = asyncio.Lock()
-        # Partial recovery (:mod:`gpushuffle.engine.recovery`): a run after a
-        # worker's loss adopts what this worker's run before it held.
+
+    def _open_store(
+        self, spec: GPUShuffleSpec, worker_for: dict[int, str], run_id: int, memory: WorkerMemory
+    ) -> None:
+        """The store received shards go to: a new one, or under partial
+        recovery (:mod:`gpushuffle.engine.recovery`) the one this worker's run
+        before it held, which this run adopts."""
+        worker = self._worker
         self.generation = spec.generation
         mine = [p for p, w in worker_for.items() if w == worker.address and p not in spec.done]
         holding = recovery.RunRecovery.holding_for(worker.address, spec, run_id)
@@ -218,6 +240,11 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         if holding is None:
             self.store.hand_over(self)
         self.recovery = recovery.RunRecovery(self, mine, holding)
+
+    def _watch_memory(self, memory: WorkerMemory, plugin: ShuffleWorkerPlugin) -> None:
+        """Bound the host pool by the store's budget and let it watch the
+        worker's threads and memory."""
+        worker = self._worker
         if memory.host.limit is not None:
             # Free pool blocks count against the machine like the store does.
             host_pool().bound_by(memory.host.limit)
@@ -226,15 +253,6 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for executor in (*worker.executors.values(), plugin._executor):
             host_pool().malloc.watch(executor)
         host_pool().watch_worker(worker)
-        worker_ops.install(worker, plugin)
-        self._closing = asyncio.Event()
-        self._layout(worker_for, spec.npartitions, spec.done)
-        # A worker paused for its memory runs no task until that drops; what
-        # the store holds in memory goes to disk meanwhile (ShardStore.shed_host).
-        self._worker = worker
-        self._shedding: asyncio.Future[int] | None = None
-        self._pause_watch = PeriodicCallback(self._shed_if_paused, _PAUSE_CHECK_MS)
-        worker.loop.add_callback(self._start_pause_watch)
 
     def _start_pause_watch(self) -> None:
         if not self._closing.is_set():

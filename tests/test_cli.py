@@ -1004,6 +1004,18 @@ def test_task_floor_benchmark_reports_per_task_costs():
     assert "ms per transfer or unpack task" in lines[-1]
 
 
+def test_worker_restart_benchmark_times_each_replacement():
+    from benchmarks.worker_restart import main
+
+    r = CliRunner().invoke(main, ["--workers", "2", "--kills", "2"])
+    assert r.exit_code == 0, r.output
+    timed = [line for line in r.output.splitlines() if line.startswith("replacement registered")]
+    assert len(timed) == 2, r.output
+    # A new process imports Python, distributed and pandas before it registers.
+    assert all(float(line.split("CPU ")[1].split(" s")[0]) > 0.1 for line in timed), timed
+    assert "CPU s per replacement" in r.output.splitlines()[-1]
+
+
 def test_worker_cpu_benchmark_reports_threads_and_collections():
     # Run as a user runs it, to see all it prints.
     proc = subprocess.run(

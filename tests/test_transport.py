@@ -226,7 +226,9 @@ def runs_made(monkeypatch):
     monkeypatch.setattr(run_module.GPUShuffleRun, "__init__", recording_init)
     # A quarter of a message in all (256 KiB with 1 MiB messages, whose
     # shards under 64 KiB wait): 8 peers could hold 512 KiB without the cap.
-    monkeypatch.setattr(run_module, "_LINGER_MESSAGES", 0.25)
+    from gpushuffle.engine import linger
+
+    monkeypatch.setattr(linger, "LINGER_MESSAGES", 0.25)
     return made
 
 
@@ -249,14 +251,15 @@ def test_small_shards_held_back_stay_under_the_cap_with_many_peers(runs_made, re
     run()
     assert runs_made
     for made in runs_made:
-        assert made.linger_total == (1 << 20) // 4
+        held = made.held_back
+        assert held.limit == (1 << 20) // 4
         # At most the cap and the one shard that passed it.
-        assert made.lingering_peak <= made.linger_total + made.linger_bytes, made.lingering_peak
+        assert held.peak <= held.limit + held.per_peer, held.peak
     # The cap was reached (shards of ~25 KiB for 8 peers, 64 KiB each before
     # they go): without it, the peaks would pass it.
-    assert max(m.lingering_peak for m in runs_made) > made.linger_total // 2
-    assert sum(m.lingering_sheds for m in runs_made) > 0
-    detached = sum(m.lingering_detached for m in runs_made)
+    assert max(m.held_back.peak for m in runs_made) > held.limit // 2
+    assert sum(m.held_back.sheds for m in runs_made) > 0
+    detached = sum(m.held_back.detached for m in runs_made)
     assert detached > 0 if reorder == "scatter" else detached == 0
 
 
@@ -296,3 +299,40 @@ def test_a_stage_under_way_in_overlapping_blocks_counts_its_time_once():
     busy_added, spent_added = copies.busy.move - busy, copies.spent.move - spent
     assert 100_000_000 <= busy_added <= outer
     assert 50_000_000 <= spent_added - busy_added <= inner_took[0]
+
+
+def test_held_back_shards_go_per_peer_at_a_messages_worth_and_the_most_first_past_the_cap():
+    import numpy as np
+
+    from gpushuffle.engine.linger import LINGER_FRACTION, LINGER_MESSAGES, HeldBack
+    from gpushuffle.transport import Shard
+
+    def shard(i: int, nbytes: int) -> Shard:
+        return Shard("pandas", i, np.array([0]), np.array([0, 1]), None, nbytes)
+
+    held = HeldBack(message_bytes=16 << 10, on_device=False)
+    assert (held.per_peer, held.limit) == (
+        (16 << 10) // LINGER_FRACTION,
+        LINGER_MESSAGES * (16 << 10),
+    )
+    big = shard(0, held.per_peer)
+    assert not held.waits("a", big)  # a message's worth goes at once ...
+    small = [shard(i, 300) for i in range(1, 4)]
+    held.add("a", small[0])
+    assert held.waits("a", big)  # ... unless shards for its peer wait: no overtaking
+    assert not held.ready("a")
+    held.add("a", small[1])
+    held.add("b", small[2])
+    assert (held.held("a"), held.held("b"), held.total) == (600, 300, 900)
+    assert held.most_first() == ["a", "b"]
+    assert held.excess() == 0
+    assert held.take("a") == small[:2]  # in the order they came
+    assert (held.total, held.peers(), held.take("a")) == (300, ["b"], [])
+    while not held.excess():
+        held.add("c", shard(9, held.per_peer - 1))
+    assert held.total > held.limit
+    assert held.excess() == held.total - held.limit // 2
+    assert held.peak == held.total
+    assert HeldBack(message_bytes=16 << 10, on_device=True).per_peer == 0  # cuDF: none wait
+    held.clear()
+    assert (held.total, held.peers(), held.sizes()) == (0, [], {})

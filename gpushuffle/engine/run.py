@@ -43,6 +43,7 @@ from gpushuffle._distributed import (
     prepare_schedulers,
 )
 from gpushuffle.engine import budget, copies, links, recovery, worker_ops
+from gpushuffle.engine.linger import HeldBack
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory, worker_memory
 from gpushuffle.engine.outputs import (
     check_outputs_fit,
@@ -78,14 +79,6 @@ class NoHandlerYet(ConnectionError):
     """A peer answered a gpushuffle op as distributed answers one it has no
     handler for; retried as a failed connection is (it soon will have it)."""
 
-
-#: Remote shards under ``message-bytes-limit / _LINGER_FRACTION`` (1 MiB by
-#: default) are held back until that much is ready for their worker.
-_LINGER_FRACTION = 16
-#: ... but no more than ``_LINGER_MESSAGES`` messages' worth (64 MiB by
-#: default) in all: a worker with 1,000 peers would otherwise hold up to
-#: 1,000 x 1 MiB of them.  Past that, the peers with the most go first.
-_LINGER_MESSAGES = 4
 
 #: How often a transfer task held back by a slow link looks again.
 _BACKLOG_POLL_S = 0.02
@@ -180,14 +173,9 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         and same-host reads, from gpushuffle's configuration."""
         self.send_timeout = parse_timedelta(config.get("comm.timeout"), default="s") or None
         self.message_bytes = max(1, int(parse_bytes(config.get("comm.message-bytes-limit"))))
-        # Remote shards smaller than this wait, per worker, until this much
-        # is ready (or every input is in): at most this per peer is held.
-        # Host shards only: a pandas split gives each destination buffers of
-        # its own (or the shard waits as a copy, TableBackend.detached, where
-        # a scatter shared them), while a cuDF shard is a view of the whole
-        # reordered input partition, which a waiting shard would keep on the
-        # device.
-        self.linger_bytes = 0 if on_device else max(1, self.message_bytes // _LINGER_FRACTION)
+        # Small remote shards wait, per worker, until a message's worth is
+        # ready (or every input is in).
+        self.held_back = HeldBack(self.message_bytes, on_device)
         self.same_host_reads = bool(config.get("comm.same-host-reads"))
         self.compression = links.RunCompression(links.configured_mode())
         self.link_backlog_s = parse_timedelta(config.get("comm.link-backlog"), default="s") or 0
@@ -204,15 +192,6 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             weakref.finalize(self, self._lease.withdraw) if self._lease is not None else None
         )
         self._reading = asyncio.Lock()
-        self._lingering: dict[str, list[Shard]] = {}
-        self._lingering_bytes: dict[str, int] = {}
-        self._lingering_total = 0
-        self.linger_total = int(_LINGER_MESSAGES * self.message_bytes)
-        #: Most bytes held back at once (all peers together), and how often
-        #: the cap sent peers' shards early.
-        self.lingering_peak = 0
-        self.lingering_sheds = 0
-        self.lingering_detached = 0
 
     def _open_store(
         self, spec: GPUShuffleSpec, worker_for: dict[int, str], run_id: int, memory: WorkerMemory
@@ -379,7 +358,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
     def _seconds_behind(self) -> float:
         """The longest time, over other hosts, to send what this worker has
         queued for it: in flight, waiting in the comm buffer or held back."""
-        waiting = [*self._comm_buffer.sizes.items(), *self._lingering_bytes.items()]
+        waiting = [*self._comm_buffer.sizes.items(), *self.held_back.sizes().items()]
         return links.seconds_behind(self._remote_hosts, waiting)
 
     async def _write(self, local: list[Shard], remote: list[dict[str, Shard]]) -> None:
@@ -392,28 +371,20 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for round in remote:
             direct: dict[str, Shard] = {}
             for address, shard in round.items():
-                if shard.nbytes >= self.linger_bytes and not self._lingering.get(address):
+                if not self.held_back.waits(address, shard):
                     direct[address] = shard
                     continue
-                # Small shards wait for others to the same worker: the comm
-                # buffer sends whatever it holds at once, so with many small
-                # input partitions every transfer would cost a message (an
-                # RPC on both sides) for a few rows.  A waiting shard must
-                # keep only its own rows alive (a scatter shares blocks).
+                # A waiting shard must keep only its own rows alive (a
+                # scatter shares blocks).
                 detached = self.backend.detached(shard.table)
                 if detached is not shard.table:
                     shard.table = detached
-                    self.lingering_detached += 1
-                self._lingering.setdefault(address, []).append(shard)
-                self._lingering_bytes[address] = (
-                    self._lingering_bytes.get(address, 0) + shard.nbytes
-                )
-                self._lingering_total += shard.nbytes
-                self.lingering_peak = max(self.lingering_peak, self._lingering_total)
-                if self._lingering_bytes[address] >= self.linger_bytes:
+                    self.held_back.detached += 1
+                self.held_back.add(address, shard)
+                if self.held_back.ready(address):
                     await self._send_lingering(address)
-                elif self._lingering_total > self.linger_total:
-                    await self._send_most_lingering(self._lingering_total - self.linger_total // 2)
+                elif excess := self.held_back.excess():
+                    await self._send_most_lingering(excess)
             if direct:
                 # distributed's comm buffer keeps whatever it is given and
                 # hands it to send(); its type says (key, shard), ours carry
@@ -421,8 +392,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
                 await self._write_to_comm(direct)  # type: ignore[arg-type]
 
     async def _send_lingering(self, address: str) -> None:
-        shards = self._lingering.pop(address, [])
-        self._lingering_total -= self._lingering_bytes.pop(address, 0)
+        shards = self.held_back.take(address)
         # Written without yielding to the loop in between (the buffer's
         # write does not yield while under its memory limit), so the buffer
         # packs them into as few messages as its message size allows.
@@ -431,12 +401,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
 
     async def _send_most_lingering(self, nbytes: int) -> None:
         """Send the peers with the most held back, until ``nbytes`` have gone."""
-        self.lingering_sheds += 1
-        for address in sorted(self._lingering_bytes, key=self._lingering_bytes.__getitem__)[::-1]:
+        self.held_back.sheds += 1
+        for address in self.held_back.most_first():
             if nbytes <= 0:
                 break
             # Another transfer's write may have sent it while this one waited.
-            nbytes -= self._lingering_bytes.get(address, 0)
+            nbytes -= self.held_back.held(address)
             await self._send_lingering(address)
 
     async def inputs_done(self) -> None:
@@ -449,7 +419,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._inputs_done_started = True
         async with self._inputs_done_lock:
             try:
-                for address in list(self._lingering):
+                for address in self.held_back.peers():
                     await self._send_lingering(address)
             except Exception as e:
                 self._exception = e
@@ -991,9 +961,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
             self._withdraw_lease()
         self._closing.set()
         self._pause_watch.stop()
-        self._lingering.clear()
-        self._lingering_bytes.clear()
-        self._lingering_total = 0
+        self.held_back.clear()
         self.recovery.cancel()
         if not self.recovery.handed_over:
             self.store.close()

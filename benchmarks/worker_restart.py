@@ -19,10 +19,6 @@ import time
 import click
 
 
-def _pid() -> int:
-    return os.getpid()
-
-
 @click.command()
 @click.option("--workers", default=4, show_default=True)
 @click.option("--kills", default=4, show_default=True)
@@ -39,7 +35,7 @@ def main(workers: int, kills: int) -> None:
     with benchmark_cluster(workers, 1, quiet=True) as cluster, Client(cluster) as client:
         client.wait_for_workers(workers)
         for _ in range(kills):
-            pids = client.run(_pid)
+            pids = client.run(os.getpid)
             victim = sorted(pids)[0]
             before = set(client.nthreads())
             start = time.perf_counter()
@@ -48,7 +44,7 @@ def main(workers: int, kills: int) -> None:
                 time.sleep(0.01)
             back_s.append(time.perf_counter() - start)
             (new,) = now - before
-            times = psutil.Process(client.run(_pid, workers=[new])[new]).cpu_times()
+            times = psutil.Process(client.run(os.getpid, workers=[new])[new]).cpu_times()
             cpu_s.append(times.user + times.system)
             click.echo(f"replacement registered in {back_s[-1]:.2f} s, its CPU {cpu_s[-1]:.2f} s")
             time.sleep(1)

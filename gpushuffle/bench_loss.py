@@ -54,10 +54,6 @@ class LossResult:
         return None if self.fault_s is None else self.fault_s / self.no_fault_s
 
 
-def _pid() -> int:
-    return os.getpid()
-
-
 #: Added to a run's give-up time: noticing a loss and starting the shuffle's
 #: next run take seconds whatever the run's length (a 0.26 s run given 10x
 #: was given up in a full CI run).
@@ -96,7 +92,7 @@ class Killer:
     def kill_one(self) -> None:
         pids = {
             a: pid
-            for a, pid in self.client.run(_pid, on_error="return").items()
+            for a, pid in self.client.run(os.getpid, on_error="return").items()
             if isinstance(pid, int)
         }
         if pids:

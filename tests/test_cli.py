@@ -1078,10 +1078,6 @@ def test_bench_input_is_spread_evenly_over_the_workers():
         pd.testing.assert_frame_equal(got, generated_frame(1_000, 7, 4, "mixed").compute())
 
 
-def _worker_pid() -> int:
-    return os.getpid()
-
-
 def test_bench_input_is_computed_again_after_every_worker_is_lost():
     """The placement is a preference for the first computation only: with
     every worker SIGKILLed at once, the new workers compute the inputs
@@ -1099,7 +1095,7 @@ def test_bench_input_is_computed_again_after_every_worker_is_lost():
     ):
         df = persisted_evenly(client, 1_000, 6, columns=3, dtypes="numeric")
         wait(df)
-        for pid in client.run(_worker_pid).values():
+        for pid in client.run(os.getpid).values():
             os.kill(pid, signal.SIGKILL)
         got = client.compute(df).result(timeout=60)
         assert len(got) == 1_000

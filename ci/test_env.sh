@@ -11,7 +11,9 @@
 #                           the oldest pandas it allows (2.2)
 # Each axis is at both ends in some run (pandas 3.1 in .venv, 3.0 here, 2.2
 # here; dask 2026.7.1 in .venv and here, the newest here) without a run per
-# pair: CI stays under an hour on 2 cores.  Further arguments go to pytest.
+# pair: CI stays under an hour on 2 cores.  Further arguments go to pytest;
+# --install-only (after the mode) installs the environment and stops (.ci/run
+# installs both while dask's tests run; installing again takes seconds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The rapids environment differs from .venv in pandas alone (3.0 against
@@ -38,6 +40,9 @@ mode=$1
 shift
 python3.11 -m venv "$venv"
 "$venv/bin/pip" install -q -e "${install[@]}"
+if [ "${1:-}" = "--install-only" ]; then
+    exit 0
+fi
 main_versions=$([ -x .venv/bin/python ] && .venv/bin/python -c \
     'import dask, distributed; print(dask.__version__, distributed.__version__)' || true)
 "$venv/bin/python" - "$mode" "$main_versions" <<'PY'

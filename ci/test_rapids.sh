@@ -7,7 +7,7 @@
 #   2. the device-free logic against real RAPIDS objects (tests/test_rapids_stack.py);
 #   3. every test module collects with the real cudf (pytest -m gpu --collect-only):
 #      an import error in a GPU test module shows here, not on the first GPU.
-# In CI's GPU-extra environment (.venv-gpu, as ci/typecheck_gpu.sh builds it),
+# In CI's GPU-extra environment (.venv-gpu, as ci/gpu_env.sh builds it),
 # or with PYTHON set, in that Python's (the GPU machine's kit: ci/gpu_run.sh).
 #   --optional: if the GPU extra cannot be installed (no network, no disk),
 #   say so and exit 0; a failing check still fails.
@@ -16,8 +16,7 @@ cd "$(dirname "$0")/.."
 optional=false
 [ "${1:-}" = "--optional" ] && optional=true
 if [ -z "${PYTHON:-}" ]; then
-    if ! { [ -x .venv-gpu/bin/python ] || python3.11 -m venv .venv-gpu; } ||
-       ! .venv-gpu/bin/pip install -q -e '.[gpu,test,ucx]'; then
+    if ! bash ci/gpu_env.sh; then
         if $optional; then
             echo "test_rapids: could not install the gpu extra; RAPIDS checks skipped" >&2
             exit 0

@@ -11,8 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 optional=false
 [ "${1:-}" = "--optional" ] && optional=true
-if ! { [ -x .venv-gpu/bin/python ] || python3.11 -m venv .venv-gpu; } ||
-   ! .venv-gpu/bin/pip install -q -e '.[gpu,test,ucx]' mypy pandas-stubs; then
+if ! bash ci/gpu_env.sh; then
     if $optional; then
         echo "typecheck_gpu: could not install the gpu extra; cuDF type check skipped" >&2
         exit 0

@@ -17,14 +17,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The rapids environment differs from .venv in pandas alone (3.0 against
-# 3.1; the same dask, distributed and UCX, which the check below holds it
-# to), so it leaves out the modules that test the engine on live clusters
-# (faults, memory, the CLI and benchmarks, same-host reads, containers,
-# the GPU kit):
-# they would run the same code on the same distributed as in .venv.  The
-# modules that meet pandas (backends, shuffles, joins, operations, dask's
-# semantics, bad input, compression, UCX) run.  The cpu environment changes
-# dask and distributed too, and runs them all.
+# 3.1; the same extras and pins, so the same dask, distributed and UCX: the
+# check below holds it to the same dask and distributed), so it leaves out
+# the modules that test the engine on live clusters (faults, memory, the CLI
+# and benchmarks, same-host reads, containers, the GPU kit): they would run
+# the same code on the same distributed as in .venv.  The modules that meet
+# pandas (backends, shuffles, joins, operations, dask's semantics, bad
+# input, compression, UCX) run.  The cpu environment changes dask and
+# distributed too, and runs them all.
 cluster_modules=(cli comm_faults containers dashboard faults gpu_run join_faults memory samehost soak)
 ignore=()
 case "${1:-}" in
@@ -33,7 +33,7 @@ case "${1:-}" in
         for module in "${cluster_modules[@]}"; do ignore+=("--ignore=tests/test_$module.py"); done
         ;;
     cpu) install=('.[test]' 'pandas>=2.2,<2.3') ;;
-    *) echo "usage: $0 rapids|cpu [pytest arguments]" >&2; exit 2 ;;
+    *) echo "usage: $0 rapids|cpu [--install-only | pytest arguments]" >&2; exit 2 ;;
 esac
 venv=".venv-env-$1"
 mode=$1
@@ -43,8 +43,11 @@ python3.11 -m venv "$venv"
 if [ "${1:-}" = "--install-only" ]; then
     exit 0
 fi
-main_versions=$([ -x .venv/bin/python ] && .venv/bin/python -c \
-    'import dask, distributed; print(dask.__version__, distributed.__version__)' || true)
+main_versions=
+if [ -x .venv/bin/python ]; then
+    main_versions=$(.venv/bin/python -c \
+        'import dask, distributed; print(dask.__version__, distributed.__version__)')
+fi
 "$venv/bin/python" - "$mode" "$main_versions" <<'PY'
 import sys
 import dask, distributed, pandas

@@ -10,6 +10,7 @@ share); a module of its own so that test_hosts.py's rigs are gone first.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pandas as pd
@@ -42,11 +43,32 @@ def _when_crossed(rig: Rig, nbytes: int, futures) -> None:
     assert not all(f.done() for f in futures), "the shuffle ended before the fault"
 
 
-def _gather_within(client: Client, futures, seconds: float) -> list[pd.DataFrame]:
+def _scheduler_tasks(dask_scheduler) -> list[str]:
+    """Each task group's tasks by state, and where the processing ones run."""
+    from dask.utils import key_split
+
+    states = Counter(
+        (key_split(key), ts.state, ts.processing_on.address if ts.processing_on else "")
+        for key, ts in dask_scheduler.tasks.items()
+    )
+    return [f"{n} {group} {state} {where}".rstrip() for (group, state, where), n in states.items()]
+
+
+def _hang_report(rig: Rig, client: Client) -> str:
+    """What a hang left behind: the scheduler's tasks and the end of each host's log."""
+    lines = [" ", "scheduler tasks:", *client.run_on_scheduler(_scheduler_tasks)]
+    for name in ["scheduler", *(f"host{i}" for i in range(len(rig.hosts)))]:
+        lines += [f"--- the end of {name}.log ---", rig.log(name)[-3000:]]
+    return "\n".join(lines)
+
+
+def _gather_within(rig: Rig, client: Client, futures, seconds: float) -> list[pd.DataFrame]:
     try:
         wait(futures, timeout=seconds)
     except TimeoutError:
-        pytest.fail(f"the shuffle hung: not done {seconds:.0f} s after the fault")
+        pytest.fail(
+            f"the shuffle hung: not done {seconds:.0f} s after the fault{_hang_report(rig, client)}"
+        )
     return client.gather(futures)
 
 
@@ -58,8 +80,8 @@ def _mid_transfer(rig: Rig, client: Client, method: str) -> list:
     return futures
 
 
-def _assert_finishes_right(client: Client, futures) -> None:
-    assert_correct(_gather_within(client, futures, FAULT_LIMIT_S), truth(NIN, ROWS, NOUT))
+def _assert_finishes_right(rig: Rig, client: Client, futures) -> None:
+    assert_correct(_gather_within(rig, client, futures, FAULT_LIMIT_S), truth(NIN, ROWS, NOUT))
 
 
 @pytest.fixture
@@ -74,7 +96,7 @@ def test_a_host_killed_mid_transfer(fault_rig, method):
     rig, client = fault_rig
     futures = _mid_transfer(rig, client, method)
     rig.kill_host(2)
-    _assert_finishes_right(client, futures)
+    _assert_finishes_right(rig, client, futures)
     assert len(client.nthreads()) == 2
 
 
@@ -87,7 +109,7 @@ def test_a_link_that_drops_every_packet_for_5s(fault_rig, method):
         time.sleep(5)
         # Nothing crossed while cut (the bucket may still have sent what it held).
         assert rig.link_bytes(1)[0] - sent < 256 << 10
-    _assert_finishes_right(client, futures)
+    _assert_finishes_right(rig, client, futures)
     assert len(client.nthreads()) == 3
 
 
@@ -100,7 +122,7 @@ def test_a_straggler_link_completes_and_shows_in_the_statistics(fault_rig):
     expected = truth(NIN, rows, NOUT)
     before = gpushuffle.peer_statistics(client)
     futures = _start(client, "gpushuffle", rows)
-    parts = _gather_within(client, futures, FAULT_LIMIT_S)
+    parts = _gather_within(rig, client, futures, FAULT_LIMIT_S)
     assert_correct(parts, expected)
     traffic = gpushuffle.peer_statistics(client)
     traffic = traffic.sub(before.reindex(traffic.index).fillna(0))
@@ -129,6 +151,6 @@ def test_a_link_cut_for_good(quick_to_give_up_rig, method):
     rig, client = quick_to_give_up_rig
     futures = _mid_transfer(rig, client, method)
     with rig.cut(1):
-        _assert_finishes_right(client, futures)
+        _assert_finishes_right(rig, client, futures)
         workers = client.nthreads()
         assert sorted(rig.host_of(w) for w in workers) == [0, 2]

@@ -30,6 +30,7 @@ import gpushuffle
 from gpushuffle import codecs
 from gpushuffle.backends.pandas import PandasBackend, PandasTable
 from gpushuffle.engine import links
+from gpushuffle.engine import run as run_module
 from gpushuffle.engine.links import LinkMeter, LinkState, RunCompression
 
 pytestmark = pytest.mark.timeout(180)
@@ -305,6 +306,59 @@ def test_a_link_meter_outlives_event_loops():
     meter = LinkMeter()
     asyncio.run(meter.first_answer(5.0))  # a loop closed since: no error on the next
     assert 0.03 < asyncio.run(one_loop()) < 2.0
+
+
+def test_a_transfer_held_for_a_slow_link_first_sends_what_it_held_back(monkeypatch):
+    """The back-pressure counts the small shards held back for a fuller
+    message, which only a later write (or the barrier) sends: where they
+    alone pass the backlog at a link's measured rate (a slow rate measured
+    on a busy machine), a transfer waiting for the link to catch up would
+    wait for good, its worker's thread with it.  It sends them first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gpushuffle.engine.linger import HeldBack
+    from gpushuffle.transport import Shard
+
+    now = [0.0]
+    meter = LinkMeter(clock=lambda: now[0])
+    monkeypatch.setattr(links, "_links", {"10.0.0.2": meter})
+    meter.started(500_000)
+    now[0] = 1.0
+    meter.finished(500_000)  # 0.5 MB/s
+
+    run_class = run_module.GPUShuffleRun
+
+    class Sender:
+        """The state of a run that its back-pressure reads, with the run's
+        own methods; the comm buffer (a stand-in) records what it is given."""
+
+        _hold_while_a_link_is_behind = run_class._hold_while_a_link_is_behind
+        _seconds_behind = run_class._seconds_behind
+        _send_lingering = run_class._send_lingering
+        link_backlog_s = 1.0
+        _remote_hosts = ["10.0.0.2"]
+
+        def __init__(self) -> None:
+            self.held_back = HeldBack(message_bytes=16 << 20, on_device=False)
+            self._comm_buffer = SimpleNamespace(sizes={}, raise_on_exception=lambda: None)
+            self.written: list[dict] = []
+
+        def raise_if_closed(self) -> None:
+            pass
+
+        async def _write_to_comm(self, shards: dict) -> None:
+            self.written.append(shards)
+
+    sender = Sender()
+    peer = "tcp://10.0.0.2:1234"
+    shard = Shard("pandas", 0, np.array([0]), np.array([0, 1]), None, 800_000)
+    assert sender.held_back.waits(peer, shard)  # under the 1 MiB a peer's message waits for
+    sender.held_back.add(peer, shard)
+    assert sender._seconds_behind() == pytest.approx(1.6)  # 0.8 MB at 0.5 MB/s
+    asyncio.run(asyncio.wait_for(sender._hold_while_a_link_is_behind(), 10))
+    assert sender.written == [{peer: shard}]
+    assert sender.held_back.total == 0
 
 
 def test_seconds_behind_counts_what_is_in_flight_and_what_waits(monkeypatch):

@@ -346,6 +346,12 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         """
         if self._seconds_behind() <= self.link_backlog_s:
             return
+        # What waits for a fuller message counts toward the backlog, but only
+        # a later write sends it: where it alone passes the backlog at a
+        # link's measured rate (slow on a busy machine), the wait would never
+        # end.  A transfer that waits gains nothing by holding it back.
+        for address in self.held_back.peers():
+            await self._send_lingering(address)
         started = time.perf_counter_ns()
         try:
             while self._seconds_behind() > self.link_backlog_s:

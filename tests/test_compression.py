@@ -335,6 +335,7 @@ def test_a_transfer_held_for_a_slow_link_first_sends_what_it_held_back(monkeypat
 
         _hold_while_a_link_is_behind = run_class._hold_while_a_link_is_behind
         _seconds_behind = run_class._seconds_behind
+        _send_all_lingering = run_class._send_all_lingering
         _send_lingering = run_class._send_lingering
         link_backlog_s = 1.0
         _remote_hosts = ["10.0.0.2"]

@@ -350,8 +350,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         # a later write sends it: where it alone passes the backlog at a
         # link's measured rate (slow on a busy machine), the wait would never
         # end.  A transfer that waits gains nothing by holding it back.
-        for address in self.held_back.peers():
-            await self._send_lingering(address)
+        await self._send_all_lingering()
         started = time.perf_counter_ns()
         try:
             while self._seconds_behind() > self.link_backlog_s:
@@ -405,6 +404,10 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         for shard in shards:
             await self._write_to_comm({address: shard})  # type: ignore[dict-item]
 
+    async def _send_all_lingering(self) -> None:
+        for address in self.held_back.peers():
+            await self._send_lingering(address)
+
     async def _send_most_lingering(self, nbytes: int) -> None:
         """Send the peers with the most held back, until ``nbytes`` have gone."""
         self.held_back.sheds += 1
@@ -425,8 +428,7 @@ class GPUShuffleRun(ShuffleRun[Any, Any]):
         self._inputs_done_started = True
         async with self._inputs_done_lock:
             try:
-                for address in self.held_back.peers():
-                    await self._send_lingering(address)
+                await self._send_all_lingering()
             except Exception as e:
                 self._exception = e
                 raise

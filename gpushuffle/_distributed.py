@@ -97,6 +97,22 @@ def known_run(
     return run
 
 
+def only_worker_in_process() -> Any | None:
+    """The one live distributed ``Worker`` of this process, else None (none,
+    or several: a ``LocalCluster(processes=False)``).
+
+    ``distributed.get_worker()`` answers only in a task's thread; a worker's
+    memory limit is also needed on its event loop (a shard received before
+    the worker ran any task of the shuffle makes the host pool there).
+    """
+    from distributed import Worker
+    from distributed.core import Status
+
+    gone = {Status.closing, Status.closed, Status.failed}
+    live = [w for w in list(getattr(Worker, "_instances", ())) if w.status not in gone]
+    return live[0] if len(live) == 1 else None
+
+
 def prepare_schedulers(shuffle_id: ShuffleId) -> list[Scheduler]:
     """Give the schedulers in this process what gpushuffle's runs ask of them
     (handlers, :class:`ReleaseFailedRuns`, :class:`OpsKnown`, the shuffle
@@ -610,6 +626,7 @@ __all__ = [
     "hash_array",
     "known_run",
     "merge_chunk",
+    "only_worker_in_process",
     "partitioning_index",
     "pin_output_tasks",
     "prepare_schedulers",

@@ -48,18 +48,35 @@ def parse_budget(value: Any, total: int | None, key: str = "") -> int:
 
 
 def worker_memory_limit() -> int:
-    """The current worker's memory limit, else the machine's memory."""
+    """The current worker's memory limit (the task's worker, else the one
+    worker of this process), else the machine's memory."""
     import psutil
 
+    limit = getattr(getattr(current_worker(), "memory_manager", None), "memory_limit", None)
+    if limit:
+        return int(limit)
+    return int(psutil.virtual_memory().total)
+
+
+def current_worker() -> Any | None:
+    """The worker running this task, else the only worker of this process
+    (on its event loop, where ``get_worker()`` has none), else None.
+
+    Before 2026-12-07 memory limits read outside a task fell back to the
+    machine's memory: the host pool, made on the event loop when a shard
+    arrived before the worker's first task of the shuffle, kept up to 10% of
+    the machine (2.4 GiB here, capped at 512 MiB) in free blocks on 1 GiB
+    workers, and pooled a hot output's columns.
+    """
     try:
         from distributed import get_worker
 
-        limit = get_worker().memory_manager.memory_limit
-        if limit:
-            return int(limit)
-    except (ImportError, ValueError, AttributeError):
+        return get_worker()
+    except (ImportError, ValueError):
         pass
-    return int(psutil.virtual_memory().total)
+    from gpushuffle._distributed import only_worker_in_process
+
+    return only_worker_in_process()
 
 
 def device_memory_total() -> int | None:
@@ -93,13 +110,10 @@ def device_spill_limit() -> int | None:
     (``device_memory_limit``, 0.8 of the device by default): gpushuffle's
     device budget is a share of it rather than of the whole device.
     """
-    try:
-        from distributed import get_worker
-
-        data = get_worker().data
-    except (ImportError, ValueError):
+    worker = current_worker()
+    if worker is None:
         return None
-    return _device_buffer_limit(data)
+    return _device_buffer_limit(worker.data)
 
 
 def _device_buffer_limit(data: Any) -> int | None:

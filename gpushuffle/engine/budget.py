@@ -23,7 +23,7 @@ from distributed.utils import sync
 from gpushuffle import config
 from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.outputs import FitBudget, OutputSize, build_need, fits
-from gpushuffle.engine.pool import host_pool, malloc_trim
+from gpushuffle.engine.pool import host_pool, trim_allocators
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,9 @@ def make_room(store: Any, loop: Any, describe: str) -> None:
             )
     gc.collect()
     host_pool().release_idle(0)
-    malloc_trim()
+    # pyarrow's allocator keeps what it kept: counted in the base (see
+    # pool.release_arrow_unused).
+    trim_allocators(arrow=False)
 
 
 def rss() -> int:

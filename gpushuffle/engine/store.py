@@ -50,7 +50,7 @@ from gpushuffle._distributed import ShuffleClosedError
 from gpushuffle.engine import copies
 from gpushuffle.engine.memory import DEVICE, DISK, HOST, WorkerMemory
 from gpushuffle.engine.outputs import OutputSize
-from gpushuffle.engine.pool import host_pool, malloc_trim
+from gpushuffle.engine.pool import host_pool, trim_allocators
 from gpushuffle.engine.tables import TableBackend
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
@@ -520,7 +520,8 @@ class ShardStore:
             self._unpacking = True
             every = pool.count_unpack()
         if every:
-            malloc_trim()
+            # Not pyarrow's: the output check counts it (pool.release_arrow_unused).
+            trim_allocators(arrow=False)
         return True
 
     def partition_sizes(self) -> dict[int, OutputSize]:

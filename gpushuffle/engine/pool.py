@@ -189,7 +189,7 @@ def release_arrow_unused() -> None:
     for the next allocation until asked: on the 2-core VM 330 MiB of string
     arrays freed left RSS where it was (402 MiB anonymous) until
     ``release_unused()`` (56 MiB).  A worker that shuffled strings held 300
-    to 360 MiB after making room for its outputs, 210 to 250 MiB with this.
+    to 380 MiB after making room for its outputs, 190 to 250 MiB with this.
     Not before the output check (:func:`gpushuffle.engine.budget.make_room`):
     what the worker's allocators keep is held again while distributed reads
     a large output back for the task that follows, and counting it keeps

@@ -869,7 +869,7 @@ def _arrow_strings(nbytes: int) -> list:
     import pyarrow as pa
 
     piece = pa.array(["x" * 30] * 100_000)  # 3.4 MB with its offsets
-    return [pa.concat_arrays([piece] * 10) for _ in range(nbytes // (34 << 20))]
+    return [pa.concat_arrays([piece] * 10) for _ in range(-(-nbytes // 34_000_000))]
 
 
 def _mimalloc_or_skip() -> None:
@@ -881,9 +881,8 @@ def _mimalloc_or_skip() -> None:
 
 def test_trimming_gives_back_what_pyarrow_kept_of_freed_memory():
     """mimalloc (pyarrow's allocator) keeps every freed page until asked: a
-    worker that shuffled strings measured 300-360 MiB "held" after making
-    room for its outputs, and an output read back from distributed's spill
-    was held a third time in what mimalloc kept of it."""
+    worker that shuffled strings measured 300-380 MiB "held" after making
+    room for its outputs, 190-250 MiB with it given back."""
     from gpushuffle.engine.pool import trim_allocators
 
     _mimalloc_or_skip()
@@ -891,16 +890,19 @@ def test_trimming_gives_back_what_pyarrow_kept_of_freed_memory():
     allocated = _rss_anon()
     del arrays
     kept = _rss_anon()
-    assert kept > allocated - (64 << 20), "mimalloc gave it back by itself: nothing to test"
+    if kept < allocated - (64 << 20):
+        pytest.skip("pyarrow's allocator gave it back by itself here: nothing to test")
     trim_allocators()
     assert _rss_anon() < kept - (160 << 20), (allocated >> 20, kept >> 20, _rss_anon() >> 20)
 
 
-def test_a_paused_worker_gives_back_what_pyarrow_freed_since_the_last_trim(monkeypatch):
+def test_a_paused_worker_gives_back_what_pyarrow_freed_since_the_last_trim():
     """A hot output distributed spills while its worker is over its spill
     fraction frees its strings into pyarrow's pool after the pool trimmed:
-    the next look gives them back (93% of 1 GiB workers before, when the
-    output was read back by a task downstream)."""
+    the next look gives them back, though a task thread freed them (pyarrow
+    releases every thread's unused memory)."""
+    import threading
+
     from distributed.core import Status
 
     from gpushuffle.engine import pool as pool_module
@@ -911,21 +913,40 @@ def test_a_paused_worker_gives_back_what_pyarrow_freed_since_the_last_trim(monke
         status = Status.paused
 
     worker = Worker()
-    pool = pool_module.HostBufferPool(limit=64 << 20, idle_release=60)
+    # idle_release 0: no trimmer thread, the test's calls are the only looks.
+    pool = pool_module.HostBufferPool(limit=64 << 20, idle_release=0)
     pool.watch_worker(worker)
     pool.hold()  # a shuffle runs
-    try:
+    allocated, freed, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def task_thread() -> None:  # allocates and frees, and stays alive meanwhile
         arrays = _arrow_strings(256 << 20)
-        pool.release_idle()  # paused, with the strings in use: nothing to give
-        assert pool.statistics.pause_releases == 0
+        allocated.set()
+        freed.wait()
         del arrays
+        allocated.clear()
+        finish.wait()
+
+    thread = threading.Thread(target=task_thread)
+    thread.start()
+    try:
+        assert allocated.wait(60)
+        start = pool.statistics.pause_releases
+        pool.release_idle()  # paused, the strings in use: nothing pyarrow freed
+        assert pool.statistics.pause_releases == start
+        freed.set()
+        while allocated.is_set():
+            time.sleep(0.01)
         kept = _rss_anon()
         pool.release_idle()
-        assert pool.statistics.pause_releases == 1, "what pyarrow freed stayed with it"
+        assert pool.statistics.pause_releases == start + 1, "what pyarrow freed stayed with it"
         assert _rss_anon() < kept - (160 << 20), (kept >> 20, _rss_anon() >> 20)
         pool.release_idle()  # nothing freed since: no trim on every look
-        assert pool.statistics.pause_releases == 1
+        assert pool.statistics.pause_releases == start + 1
     finally:
+        freed.set()
+        finish.set()
+        thread.join()
         worker.status = Status.running
         pool.unhold()
 

@@ -197,9 +197,9 @@ def make_room(store: Any, loop: Any, describe: str) -> None:
                 (in_memory - store.statistics.host_bytes) >> 20,
             )
     gc.collect()
-    host_pool().release_idle(0)
     # pyarrow's allocator keeps what it kept: counted in the base (see
     # pool.release_arrow_unused).
+    host_pool().release_idle(0, arrow=False)
     trim_allocators(arrow=False)
 
 

@@ -206,7 +206,10 @@ def release_arrow_unused() -> None:
 def arrow_allocated() -> int:
     """Bytes pyarrow's memory pool has allocated now (0 without pyarrow imported)."""
     pyarrow = sys.modules.get("pyarrow")
-    return int(pyarrow.total_allocated_bytes()) if pyarrow is not None else 0
+    try:
+        return int(pyarrow.total_allocated_bytes()) if pyarrow is not None else 0
+    except Exception:  # pyarrow half imported (in another thread): nothing known yet
+        return 0
 
 
 _M_TRIM_THRESHOLD = -1
@@ -395,8 +398,8 @@ class HostBufferPool:
         self._workers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._workers_lock = threading.Lock()  # added to on the loop, read by the trimmer
         self._watched_workers = False
-        #: pyarrow's allocated bytes after the last trim: a paused worker
-        #: gives back what was freed since (an output distributed spilled).
+        #: The most pyarrow held since its memory last went back: a paused
+        #: worker gives back what was freed since (an output distributed spilled).
         self._arrow_at_trim = 0
 
     # -- handing out ----------------------------------------------------------
@@ -536,14 +539,16 @@ class HostBufferPool:
 
     # -- giving back ----------------------------------------------------------
 
-    def release_idle(self, older_than: float | None = None) -> int:
+    def release_idle(self, older_than: float | None = None, arrow: bool = True) -> int:
         """Unmap free blocks unused for ``older_than`` seconds (an eighth of
         that while every shuffle running unpacks, none while one still
         transfers); all of them once no shuffle has run on the worker for
         that long.
 
         ``older_than`` defaults to ``idle_release``; 0 releases every free
-        block now.  Returns the bytes unmapped.
+        block now.  ``arrow``: pyarrow's memory may go too (where the worker
+        is idle or paused; :func:`release_arrow_unused`).  Returns the bytes
+        unmapped.
         """
         older_than = self.idle_release if older_than is None else older_than
         # A worker distributed paused for its memory runs no task until that
@@ -581,11 +586,11 @@ class HostBufferPool:
             trim = released > 0 or (quiet and not self._idle_released)
             if quiet:
                 self._idle_released = True
+            arrow = arrow and quiet
             arrow_now = arrow_allocated()
-            if paused and self._arrow_at_trim - arrow_now >= ARROW_FREED_BYTES:
+            if arrow and paused and self._arrow_at_trim - arrow_now >= ARROW_FREED_BYTES:
                 trim = True
-            if trim or arrow_now > self._arrow_at_trim:
-                self._arrow_at_trim = arrow_now
+            self._arrow_at_trim = max(self._arrow_at_trim, arrow_now)
         # The heaps kept what was freed while shuffles ran, pooled or not.
         # (Outside the lock: restoring waits for other threads.)
         if quiet and self._restore_malloc():
@@ -594,7 +599,10 @@ class HostBufferPool:
             # Memory the C allocator holds (received messages, pickles,
             # pandas internals) goes back too; pyarrow's only once idle or
             # paused (release_arrow_unused says why).
-            trim_allocators(arrow=quiet)
+            trim_allocators(arrow=arrow)
+            if arrow:
+                with self._lock:
+                    self._arrow_at_trim = arrow_allocated()
             if paused:
                 self.statistics.pause_releases += 1
             else:

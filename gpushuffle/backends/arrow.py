@@ -66,6 +66,7 @@ from pandas.arrays import ArrowExtensionArray
 
 from gpushuffle import config
 from gpushuffle.engine import copies
+from gpushuffle.engine.pool import watch_arrow_frees
 
 #: Offsets' width of the variable-width types cut by their offsets.
 _OFFSET_TYPES = {
@@ -421,6 +422,11 @@ def _reduce_extension(values: ArrowExtensionArray) -> tuple[Any, ...]:
     to its rows alone: pyarrow pickles a slice with its parent's whole
     buffers (ARROW-10739), which is why pandas combines every chunk."""
     chunked = values._pa_array  # type: ignore[attr-defined]
+    if chunked.nbytes >= PICKLE_IN_PLACE_MIN_BYTES:
+        # Most often distributed spilling it: what pyarrow frees as it is
+        # dropped goes back at once, not under its read-back
+        # (pool.HostBufferPool.watch_arrow_frees).
+        watch_arrow_frees(values)
     if not _pickled_in_place(chunked):
         return (_NEWOBJ, (type(values),), values.__getstate__())
     state = dict(values.__dict__)

@@ -35,6 +35,7 @@ each other closely still reuse the blocks.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import concurrent.futures
 import contextlib
@@ -60,6 +61,11 @@ MIN_POOLED_BYTES = 1 << 20
 #: Arrow memory freed on a worker over its spill fraction that makes the
 #: pool trim the allocators again (:meth:`HostBufferPool.release_idle`).
 ARROW_FREED_BYTES = 16 << 20
+#: How long after a large Arrow column was pickled (distributed spilling an
+#: output, most often) what pyarrow frees goes back at once, and how often the
+#: worker's event loop looks (:meth:`HostBufferPool.watch_arrow_frees`).
+ARROW_WATCH_SECONDS = 2.0
+ARROW_WATCH_INTERVAL = 0.005
 #: A free buffer serves requests down to about 1 / (SLACK * HEADROOM) of its size.
 SLACK = 1.25
 #: Fresh blocks are mapped this much larger than asked (only touched pages
@@ -95,6 +101,9 @@ class PoolStatistics:
     #: had paused a worker of this process for its memory use, or the
     #: process had passed a worker's spill fraction.
     pause_releases: int = 0
+    #: Times pyarrow's freed memory went back right after a large Arrow
+    #: column was pickled and freed (:meth:`HostBufferPool.watch_arrow_frees`).
+    arrow_spill_releases: int = 0
     #: Whether fresh blocks are advised to use transparent huge pages (1).
     huge_pages: int = 0
 
@@ -189,14 +198,22 @@ def release_arrow_unused() -> None:
     for the next allocation until asked: on the 2-core VM 330 MiB of string
     arrays freed left RSS where it was (402 MiB anonymous) until
     ``release_unused()`` (56 MiB).  A worker that shuffled strings held 300
-    to 380 MiB after making room for its outputs, 190 to 250 MiB with this.
-    Not before the output check (:func:`gpushuffle.engine.budget.make_room`):
-    what the worker's allocators keep is held again while distributed reads
-    a large output back for the task that follows, and counting it keeps
-    that within the limit (released there, outputs of 0.55 and 0.6 of 1 GiB
-    workers were built every time and the read-back of one peaked at 92-95%
-    of the limit).  Only where pyarrow is imported already.
+    to 380 MiB after making room for its outputs, 190 to 250 MiB with this
+    (:func:`gpushuffle.engine.budget.make_room`).  mimalloc gives back
+    another thread's freed memory only when asked on the main thread: asked
+    on another, this asks again on the main thread's event loop, if a
+    watched worker runs it.  Only where pyarrow is imported already.
     """
+    _release_arrow_here()
+    if threading.current_thread() is not threading.main_thread() and _POOL is not None:
+        # Asked elsewhere, mimalloc gives back only the asking thread's
+        # pages (from a thread of its own: nothing of 321 MiB the main
+        # thread freed; from the main thread: every thread's).  A worker's
+        # main thread runs its event loop: it asks too.
+        _POOL.on_main_loop(_release_arrow_here)
+
+
+def _release_arrow_here() -> None:
     pyarrow = sys.modules.get("pyarrow")
     if pyarrow is not None:
         with contextlib.suppress(Exception):  # a pool without it: nothing to give
@@ -401,6 +418,16 @@ class HostBufferPool:
         #: The most pyarrow held since its memory last went back: a paused
         #: worker gives back what was freed since (an output distributed spilled).
         self._arrow_at_trim = 0
+        #: Until when what pyarrow frees goes back at once
+        #: (:meth:`watch_arrow_frees`), the most pyarrow held since that watch
+        #: began or last gave memory back, the arrays watched, and the main
+        #: thread's event loop (where pyarrow gives back every thread's).
+        self._arrow_watch_until = 0.0
+        self._arrow_watch_peak = 0
+        self._arrow_polling = False
+        # Arrays are unhashable: by id, each entry removed as its array goes.
+        self._arrow_watched: dict[int, weakref.finalize] = {}
+        self._main_loop: asyncio.AbstractEventLoop | None = None
 
     # -- handing out ----------------------------------------------------------
 
@@ -609,12 +636,107 @@ class HostBufferPool:
                 self.statistics.idle_releases += 1
         return released
 
+    def watch_arrow_frees(self, values: Any = None) -> None:
+        """``values``, a large Arrow-backed pandas array, is being pickled:
+        give back what pyarrow frees when it goes, and for the next
+        :data:`ARROW_WATCH_SECONDS` (looked at every
+        :data:`ARROW_WATCH_INTERVAL` on the worker's event loop), while a
+        worker of this process is over distributed's target fraction.
+
+        Distributed spills an output by pickling it and dropping it, and
+        reads it back into fresh memory when a task needs it, often in the
+        same step of its event loop (the next task's inputs are gathered
+        right after a new result made it spill).  pyarrow's allocator
+        (mimalloc) keeps the freed strings until asked, and gives back
+        another thread's only when asked on the main thread (from the pool's
+        trimmer thread: nothing of 321 MiB the main thread freed): measured
+        on a 1 GiB worker, 195 MiB kept beside the 535 MiB read back, a peak
+        of 93% of the limit where the same runs peaked at 74-80% without
+        them.  So the array's Arrow memory goes when the array does (a
+        finalizer drops its columns and asks), in the thread that drops it
+        (distributed's event loop).  Only in a worker's process
+        (:meth:`watch_worker`).
+        """
+        if not self._watched_workers or self.workers_gone():
+            return
+        with self._lock:
+            if time.monotonic() >= self._arrow_watch_until:
+                self._arrow_watch_peak = 0
+            self._arrow_watch_until = time.monotonic() + ARROW_WATCH_SECONDS
+            self._arrow_watch_peak = max(self._arrow_watch_peak, arrow_allocated())
+        if values is not None and id(values) not in self._arrow_watched:
+            dropped = weakref.finalize(values, self._arrow_dropped, id(values), values.__dict__)
+            dropped.atexit = False  # at exit the array may still be in use
+            self._arrow_watched[id(values)] = dropped
+        if threading.current_thread() is threading.main_thread() and not self._arrow_polling:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._arrow_polling = True
+            loop.call_soon(self._poll_watched_arrow, loop)
+
+    def _arrow_dropped(self, key: int, state: dict[str, Any]) -> None:
+        """A watched array is being deallocated: its columns go now (they
+        would after this call), and what pyarrow freed goes back."""
+        self._arrow_watched.pop(key, None)
+        state.clear()
+        with contextlib.suppress(Exception):  # a finalizer must not raise
+            self.release_watched_arrow(wait=False)
+
+    def on_main_loop(self, callback: Any) -> None:
+        """Run ``callback`` on the event loop of the main thread, if a watched
+        worker runs its loop there (a Nanny's worker does)."""
+        loop = self._main_loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(callback)
+
+    def _poll_watched_arrow(self, loop: Any) -> None:
+        """On the main thread's event loop (a worker's), every
+        :data:`ARROW_WATCH_INTERVAL` while a watch lasts."""
+        self.release_watched_arrow()
+        if time.monotonic() < self._arrow_watch_until:
+            loop.call_later(ARROW_WATCH_INTERVAL, self._poll_watched_arrow, loop)
+        else:
+            self._arrow_polling = False
+
+    def release_watched_arrow(self, wait: bool = True) -> bool:
+        """Within a watch, give back what pyarrow freed since the last trim
+        (at least :data:`ARROW_FREED_BYTES`) if a watched worker is over its
+        target fraction; True if it did.  Without ``wait``, takes no lock it
+        would wait for (in a finalizer, which may run inside a pool call of
+        the same thread)."""
+        if time.monotonic() >= self._arrow_watch_until:
+            return False
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
+            now = arrow_allocated()
+            freed = self._arrow_watch_peak - now >= ARROW_FREED_BYTES
+            self._arrow_watch_peak = max(self._arrow_watch_peak, now)
+        finally:
+            self._lock.release()
+        if not freed or not self._over_fraction("memory_target_fraction", "memory_spill_fraction"):
+            return False
+        release_arrow_unused()
+        if self._lock.acquire(blocking=wait):
+            try:
+                self._arrow_watch_peak = self._arrow_at_trim = arrow_allocated()
+            finally:
+                self._lock.release()
+        self.statistics.arrow_spill_releases += 1
+        return True
+
     def watch_worker(self, worker: Any) -> None:
         """Give back free blocks and malloc's heaps while ``worker`` is paused
         (distributed's ``worker.memory.pause``), shuffles running or not."""
         with self._workers_lock:
             self._workers.add(worker)
             self._watched_workers = True
+        if threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(RuntimeError):  # no loop running here
+                self._main_loop = asyncio.get_running_loop()
         self._ensure_trimmer()
 
     def workers_gone(self) -> bool:
@@ -639,13 +761,24 @@ class HostBufferPool:
         80-87% of the limit, and once the Nanny's 95% came before the pause
         at 80% was acted on.
         """
-        with self._workers_lock:
-            workers = list(self._workers)
+        return self._over_fraction("memory_spill_fraction")
+
+    def _over_fraction(self, *names: str) -> bool:
+        """Whether RSS exceeds a watched worker's limit times the first of
+        its memory manager's fractions ``names`` that is set."""
+        # No lock: called in finalizers too.  Workers are added once per
+        # shuffle; a set changed while copied is read again.
+        for _ in range(3):
+            with contextlib.suppress(RuntimeError):
+                workers = list(self._workers)
+                break
+        else:
+            return False
         lines = []
         for worker in workers:
             manager = getattr(worker, "memory_manager", None)
             limit = getattr(manager, "memory_limit", None)
-            fraction = getattr(manager, "memory_spill_fraction", None)
+            fraction = next((f for n in names if (f := getattr(manager, n, None))), None)
             if limit and fraction:
                 lines.append(limit * fraction)
         if not lines:
@@ -784,6 +917,13 @@ def _running(worker: Any) -> bool:
 
 _POOL: HostBufferPool | None = None
 _POOL_LOCK = threading.Lock()
+
+
+def watch_arrow_frees(values: Any = None) -> None:
+    """:meth:`HostBufferPool.watch_arrow_frees` on this process's pool, if
+    it has one (a process that never shuffled has no worker to watch)."""
+    if _POOL is not None:
+        _POOL.watch_arrow_frees(values)
 
 
 def host_pool() -> HostBufferPool:

@@ -520,7 +520,8 @@ class ShardStore:
             self._unpacking = True
             every = pool.count_unpack()
         if every:
-            # Not pyarrow's: the output check counts it (pool.release_arrow_unused).
+            # pyarrow's goes in the output check, on the event loop too
+            # (budget.make_room).
             trim_allocators(arrow=False)
         return True
 

@@ -1012,6 +1012,53 @@ def test_strings_distributed_spills_go_back_when_they_are_dropped():
         pool_module._POOL = previous
 
 
+async def _pickle_and_drop_strings(nbytes: int, dask_worker=None) -> dict:
+    """On a worker's event loop (its process's main thread), as distributed
+    spills an output: pickle an Arrow string column, drop it, and read RSS
+    in the same step, before anything else runs on the loop."""
+    import pickle
+
+    import pyarrow as pa
+
+    from gpushuffle.engine.pool import host_pool
+
+    if pa.default_memory_pool().backend_name != "mimalloc":
+        return {"skip": pa.default_memory_pool().backend_name}
+    pool = host_pool()
+    pool.watch_worker(dask_worker)
+    column = pd.arrays.ArrowExtensionArray(pa.chunked_array(_arrow_strings(nbytes)))
+    frames: list = []
+    pickle.dumps(column, protocol=5, buffer_callback=frames.append)
+    del frames
+    before = _rss_anon()
+    del column
+    return {
+        "before": before,
+        "after": _rss_anon(),
+        "releases": pool.statistics.arrow_spill_releases,
+        "limit": dask_worker.memory_manager.memory_limit,
+        "rss": __import__("psutil").Process().memory_info().rss,
+    }
+
+
+def test_a_worker_gives_back_strings_it_spills_in_the_same_step_of_its_loop():
+    """On a real (Nanny) worker over its target fraction: the column's
+    memory is back with the OS right after it is dropped, in the same step
+    of the event loop, where distributed reads a spilled output back."""
+    # A worker of 600 MiB: 300 MiB of strings put it over 60%.
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, memory_limit="600MiB", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        (seen,) = client.run(_pickle_and_drop_strings, 300 << 20).values()
+    if "skip" in seen:
+        pytest.skip(f"pyarrow's pool is {seen['skip']} here, not mimalloc")
+    assert seen["releases"] == 1, seen
+    assert seen["after"] < seen["before"] - (200 << 20), seen
+
+
 def _limits_on_the_event_loop(dask_worker=None) -> tuple[int, int]:
     from gpushuffle import config
     from gpushuffle.engine.pool import _make_pool

@@ -51,6 +51,7 @@ Frames end up in such cycles whenever an exception's traceback holds them.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import operator
@@ -425,8 +426,9 @@ def _reduce_extension(values: ArrowExtensionArray) -> tuple[Any, ...]:
     if chunked.nbytes >= PICKLE_IN_PLACE_MIN_BYTES:
         # Most often distributed spilling it: what pyarrow frees as it is
         # dropped goes back at once, not under its read-back
-        # (pool.HostBufferPool.watch_arrow_frees).
-        watch_arrow_frees(values)
+        # (pool.HostBufferPool.watch_arrow_frees).  Never at pickling's cost.
+        with contextlib.suppress(Exception):
+            watch_arrow_frees(values)
     if not _pickled_in_place(chunked):
         return (_NEWOBJ, (type(values),), values.__getstate__())
     state = dict(values.__dict__)

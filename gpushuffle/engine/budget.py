@@ -23,7 +23,7 @@ from distributed.utils import sync
 from gpushuffle import config
 from gpushuffle.engine.memory import DEVICE, worker_memory
 from gpushuffle.engine.outputs import FitBudget, OutputSize, build_need, fits
-from gpushuffle.engine.pool import host_pool, trim_allocators
+from gpushuffle.engine.pool import host_pool, release_arrow_unused, trim_allocators
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +207,13 @@ def make_room(store: Any, loop: Any, describe: str) -> None:
     host_pool().release_idle(0, arrow=True)
     trim_allocators(arrow=True)
     try:
-        sync(loop, _trim_on_the_loop)
+        sync(loop, _release_arrow_on_the_loop)
     except Exception as e:  # a closing worker: what was measured stands
-        logger.debug("%s: trimming on the event loop failed: %r", describe, e)
+        logger.debug("%s: releasing pyarrow's memory on the event loop failed: %r", describe, e)
 
 
-async def _trim_on_the_loop() -> None:
-    trim_allocators(arrow=True)
+async def _release_arrow_on_the_loop() -> None:
+    release_arrow_unused()
 
 
 def rss() -> int:

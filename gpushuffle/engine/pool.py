@@ -66,6 +66,8 @@ ARROW_FREED_BYTES = 16 << 20
 #: worker's event loop looks (:meth:`HostBufferPool.watch_arrow_frees`).
 ARROW_WATCH_SECONDS = 2.0
 ARROW_WATCH_INTERVAL = 0.005
+#: What pandas keeps in an Arrow-backed array's ``__dict__``.
+_ARROW_ARRAY_STATE = frozenset({"_pa_array", "_dtype", "_cache"})
 #: A free buffer serves requests down to about 1 / (SLACK * HEADROOM) of its size.
 SLACK = 1.25
 #: Fresh blocks are mapped this much larger than asked (only touched pages
@@ -210,7 +212,7 @@ def release_arrow_unused() -> None:
         # pages (from a thread of its own: nothing of 321 MiB the main
         # thread freed; from the main thread: every thread's).  A worker's
         # main thread runs its event loop: it asks too.
-        _POOL.on_main_loop(_release_arrow_here)
+        _POOL.release_arrow_on_main_loop()
 
 
 def _release_arrow_here() -> None:
@@ -424,7 +426,8 @@ class HostBufferPool:
         #: thread's event loop (where pyarrow gives back every thread's).
         self._arrow_watch_until = 0.0
         self._arrow_watch_peak = 0
-        self._arrow_polling = False
+        self._arrow_polling: asyncio.AbstractEventLoop | None = None  # the loop polled
+        self._main_pending = False  # a release queued on the main loop
         # Arrays are unhashable: by id, each entry removed as its array goes.
         self._arrow_watched: dict[int, weakref.finalize] = {}
         self._main_loop: asyncio.AbstractEventLoop | None = None
@@ -664,17 +667,25 @@ class HostBufferPool:
                 self._arrow_watch_peak = 0
             self._arrow_watch_until = time.monotonic() + ARROW_WATCH_SECONDS
             self._arrow_watch_peak = max(self._arrow_watch_peak, arrow_allocated())
-        if values is not None and id(values) not in self._arrow_watched:
+        # Only pandas' own state: anything else in it could refer back to
+        # the array, which the finalizer (holding the state) would then keep.
+        if (
+            values is not None
+            and id(values) not in self._arrow_watched
+            and set(values.__dict__) <= _ARROW_ARRAY_STATE
+        ):
             dropped = weakref.finalize(values, self._arrow_dropped, id(values), values.__dict__)
             dropped.atexit = False  # at exit the array may still be in use
             self._arrow_watched[id(values)] = dropped
-        if threading.current_thread() is threading.main_thread() and not self._arrow_polling:
+        if threading.current_thread() is threading.main_thread():
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return
-            self._arrow_polling = True
-            loop.call_soon(self._poll_watched_arrow, loop)
+            polled = self._arrow_polling
+            if polled is None or polled is not loop or polled.is_closed():
+                self._arrow_polling = loop
+                loop.call_soon(self._poll_watched_arrow, loop)
 
     def _arrow_dropped(self, key: int, state: dict[str, Any]) -> None:
         """A watched array is being deallocated: its columns go now (they
@@ -684,22 +695,38 @@ class HostBufferPool:
         with contextlib.suppress(Exception):  # a finalizer must not raise
             self.release_watched_arrow(wait=False)
 
-    def on_main_loop(self, callback: Any) -> None:
-        """Run ``callback`` on the event loop of the main thread, if a watched
-        worker runs its loop there (a Nanny's worker does)."""
+    def release_arrow_on_main_loop(self) -> None:
+        """Give back pyarrow's freed memory on the event loop of the main
+        thread, if a watched worker runs its loop there (a Nanny's worker
+        does); one such call queued at a time."""
         loop = self._main_loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                loop.call_soon_threadsafe(callback)
+        if loop is None or loop.is_closed() or self._main_pending:
+            return
+        self._main_pending = True
+        try:
+            loop.call_soon_threadsafe(self._release_arrow_on_main)
+        except RuntimeError:  # closed meanwhile
+            self._main_pending = False
+
+    def _release_arrow_on_main(self) -> None:
+        self._main_pending = False
+        _release_arrow_here()
 
     def _poll_watched_arrow(self, loop: Any) -> None:
         """On the main thread's event loop (a worker's), every
         :data:`ARROW_WATCH_INTERVAL` while a watch lasts."""
-        self.release_watched_arrow()
-        if time.monotonic() < self._arrow_watch_until:
-            loop.call_later(ARROW_WATCH_INTERVAL, self._poll_watched_arrow, loop)
-        else:
-            self._arrow_polling = False
+        again = False
+        try:
+            self.release_watched_arrow()
+            again = time.monotonic() < self._arrow_watch_until and not loop.is_closed()
+            if again:
+                loop.call_later(ARROW_WATCH_INTERVAL, self._poll_watched_arrow, loop)
+        except Exception:  # pragma: no cover - a poll must not break the loop
+            logger.exception("gpushuffle: giving back pyarrow's freed memory failed")
+            again = False
+        finally:
+            if not again and self._arrow_polling is loop:
+                self._arrow_polling = None
 
     def release_watched_arrow(self, wait: bool = True) -> bool:
         """Within a watch, give back what pyarrow freed since the last trim

@@ -879,12 +879,9 @@ def _mimalloc_or_skip() -> None:
         pytest.skip("pyarrow's pool is not mimalloc here: it may not keep freed memory")
 
 
-def test_trimming_gives_back_what_pyarrow_kept_of_freed_memory():
-    """mimalloc (pyarrow's allocator) keeps every freed page until asked: a
-    worker that shuffled strings measured 300-380 MiB "held" after making
-    room for its outputs, 190-250 MiB with it given back."""
-    from gpushuffle.engine.pool import trim_allocators
-
+def _freed_strings_kept_or_skip() -> tuple[int, int]:
+    """RssAnon with 256 MiB of Arrow strings allocated, and once they are
+    freed; skips where pyarrow's allocator gave them back by itself."""
     _mimalloc_or_skip()
     arrays = _arrow_strings(256 << 20)
     allocated = _rss_anon()
@@ -892,6 +889,16 @@ def test_trimming_gives_back_what_pyarrow_kept_of_freed_memory():
     kept = _rss_anon()
     if kept < allocated - (64 << 20):
         pytest.skip("pyarrow's allocator gave it back by itself here: nothing to test")
+    return allocated, kept
+
+
+def test_trimming_gives_back_what_pyarrow_kept_of_freed_memory():
+    """mimalloc (pyarrow's allocator) keeps every freed page until asked: a
+    worker that shuffled strings measured 300-380 MiB "held" after making
+    room for its outputs, 190-250 MiB with it given back."""
+    from gpushuffle.engine.pool import trim_allocators
+
+    allocated, kept = _freed_strings_kept_or_skip()
     trim_allocators()
     assert _rss_anon() < kept - (160 << 20), (allocated >> 20, kept >> 20, _rss_anon() >> 20)
 
@@ -968,13 +975,7 @@ def test_strings_distributed_spills_go_back_when_they_are_dropped():
     from gpushuffle.engine import pool as pool_module
     from gpushuffle.engine.pool import trim_allocators
 
-    _mimalloc_or_skip()
-    arrays = _arrow_strings(256 << 20)
-    allocated = _rss_anon()
-    del arrays
-    kept = _rss_anon()
-    if kept < allocated - (64 << 20):
-        pytest.skip("pyarrow's allocator gave it back by itself here: nothing to test")
+    _freed_strings_kept_or_skip()  # what is tested below happens here
     trim_allocators()
 
     # What the pool reads of a distributed Worker; the limit is so low that

@@ -729,8 +729,9 @@ class HostBufferPool:
                 self._arrow_polling = None
 
     def release_watched_arrow(self, wait: bool = True) -> bool:
-        """Within a watch, give back what pyarrow freed since the last trim
-        (at least :data:`ARROW_FREED_BYTES`) if a watched worker is over its
+        """Within a watch, give back what pyarrow freed since the watch began
+        or last gave memory back (at least :data:`ARROW_FREED_BYTES`) if a
+        watched worker is over its
         target fraction; True if it did.  Without ``wait``, takes no lock it
         would wait for (in a finalizer, which may run inside a pool call of
         the same thread)."""

@@ -624,7 +624,9 @@ def statistics(client: Any) -> Any:
     worker paused for its memory); ``output_sheds`` (groups moved to disk
     before a run's outputs were built, where the largest output partition
     and what the worker held would pass distributed's ``spill`` fraction of
-    its memory limit); the
+    its memory limit); ``host_compactions`` and ``host_compacted_bytes``
+    (received shards whose rest was copied together once half of it was
+    read, so that the store shrinks as kept outputs grow); the
     host buffer pool's counters (``host_pool_...``); and what crossed the
     wire (``wire_shards_sent``, ``wire_shards_serialized``,
     ``wire_shards_deserialized``, their ``_bytes``, and ``wire_device_frames``,

@@ -579,3 +579,125 @@ def test_strings_read_back_from_disk_are_held_once_and_counted_per_piece(tmp_pat
     expected = [f"{i:04d}-{j:08d}-" + "x" * 84 for i in range(4) for j in range(big)]
     assert out["s"].tolist() == expected
     store.close()
+
+
+def _received_shard(backend, frame: pd.DataFrame, nparts: int, input_partition: int):
+    """``frame`` split ``nparts`` ways (by its ``_partitions`` column), then
+    serialized and rebuilt from one buffer, as a TCP comm receives it: every
+    piece is a view of that buffer.  Returns the shard and the buffer."""
+    table, offsets = backend.split(
+        frame, "_partitions", np.arange(nparts, dtype=np.int16), nparts, True
+    )
+    header, frames = backend.serialize(table)
+    sizes = [memoryview(f).nbytes for f in frames]
+    received = np.empty(sum(sizes), np.uint8)
+    views, start = [], 0
+    for f, size in zip(frames, sizes, strict=True):
+        received[start : start + size] = np.frombuffer(memoryview(f).cast("B"), np.uint8)
+        views.append(memoryview(received[start : start + size]))
+        start += size
+    rebuilt = backend.deserialize(header, views)
+    shard = Shard(
+        "pandas", input_partition, np.arange(nparts), offsets, rebuilt, backend.nbytes(rebuilt)
+    )
+    return shard, received
+
+
+def _mixed_input(rows: int, nparts: int, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "i": rng.integers(0, 1 << 40, rows),
+            "s": pd.array(
+                [f"{seed}-{v:09d}" + "y" * 30 for v in rng.integers(0, 10**9, rows)],
+                dtype=pd.ArrowDtype(pa.string()),
+            ),
+            "c": pd.Categorical.from_codes(rng.integers(0, 3, rows), ["a", "b", "c"]),
+            "t": pd.date_range("2026-01-01", periods=rows, freq="s", tz="UTC"),
+            "o": np.array([f"o{v}" for v in rng.integers(0, 100, rows)], dtype=object),
+            "n": pd.arrays.IntegerArray(rng.integers(0, 99, rows), rng.random(rows) < 0.1),
+            "a": pd.arrays.ArrowExtensionArray(
+                pa.array(rng.integers(0, 99, rows), mask=rng.random(rows) < 0.1)
+            ),
+            "b": pd.array(rng.random(rows) < 0.5, dtype="boolean"),
+            **{f"f{i}": rng.random(rows) for i in range(6)},
+            "_partitions": rng.integers(0, nparts, rows).astype(np.int16),
+        },
+        index=pd.Index(rng.random(rows), name="idx"),
+    )
+
+
+def _unpack_all(tmp_path, keep_outputs: bool):
+    """Three received shards of mixed columns, unpacked into 8 outputs in
+    order: the store's charge and how many shard buffers are alive after
+    each, checked against pandas."""
+    import gc
+    import weakref
+
+    backend = PandasBackend()
+    memory = make_memory(host=None)
+    store = store_for(backend, memory, tmp_path)
+    nparts, rows = 16, 200_000
+    inputs = [_mixed_input(rows, nparts, seed) for seed in range(3)]
+    buffers = []
+
+    async def fill():
+        for i, frame in enumerate(inputs):
+            shard, received = _received_shard(backend, frame, nparts, i)
+            assert shard.nbytes >= 4 << 20  # large enough to compact
+            buffers.append(weakref.ref(received))
+            del received
+            await store.put(shard)
+
+    asyncio.run(fill())
+    total = memory.host.bytes
+    meta = inputs[0].drop(columns="_partitions").iloc[:0]
+    held, outputs = [], []
+    store.start_unpack()
+    for p in range(nparts):
+        nrows, tables = store.read(p)
+        out = backend.assemble(tables, nrows, meta, keep_index=True)
+        del tables
+        gc.collect()
+        expected = pd.concat([f[f["_partitions"] == p].drop(columns="_partitions") for f in inputs])
+        # Row for row, index included (assert_frame_equal took 0.8 s each).
+        assert out.equals(expected) and list(out.dtypes) == list(expected.dtypes)
+        if keep_outputs:
+            outputs.append(out)
+        del out
+        held.append((memory.host.bytes, sum(b() is not None for b in buffers)))
+    statistics = store.statistics
+    store.close()
+    assert_nothing_charged(memory)
+    return total, held, statistics
+
+
+def test_the_store_lets_go_of_a_shard_once_half_of_it_was_read(tmp_path):
+    """A received shard holds rows for every output partition: once unpacks
+    have read half of its bytes, and the outputs built are kept (a persisted
+    frame), the rest is copied together and the shard's receive buffer goes,
+    so the store shrinks as outputs are built instead of holding everything
+    until the last one.  Every output still has exactly its rows."""
+    total, held, statistics = _unpack_all(tmp_path, keep_outputs=True)
+    charged = [c for c, _ in held]
+    # Before half of their bytes were read, every shard was held whole.
+    assert held[:8] == [(total, 3)] * 8
+    # Once outputs held add up to several (gpushuffle.engine.store's
+    # _COMPACT_HELD_OUTPUTS), no shard is: what was left of them lives in
+    # copies of its own, and the store shrinks with every output after.
+    first = next(i for i, (_, alive) in enumerate(held) if alive < 3)
+    assert first <= 11 and all(alive == 0 for _, alive in held[first:])
+    assert charged[first] < 0.5 * total
+    assert charged[first:] == sorted(charged[first:], reverse=True) and charged[-1] == 0
+    assert charged[-2] < 0.15 * total
+    # Copies of at most about what the store held.
+    assert statistics.compactions >= 3 and statistics.bytes_compacted <= total
+
+
+def test_outputs_consumed_as_they_are_built_leave_the_shards_as_they_are(tmp_path):
+    """Without outputs held, copying half the store would only add pages
+    (the peak comes early in the unpack then): the shards stay whole until
+    their last rows are read."""
+    total, held, statistics = _unpack_all(tmp_path / "consumed", keep_outputs=False)
+    assert held[:-1] == [(total, 3)] * 15 and held[-1] == (0, 0)
+    assert statistics.compactions == 0

@@ -60,6 +60,7 @@ from gpushuffle.backends.pandas_columns import (
     _KEEP_CHUNK_ROWS,
     _as_index,
     _carve,
+    _compacted_rows,
     _concat_index,
     _copied_out,
     _index_rows,
@@ -486,6 +487,21 @@ class PandasBackend(TableBackend):
         copied = PandasTable(columns, index, table.names, table.standalone)
         copies.count("split", _nbytes(copied))
         return copied
+
+    def compacted(self, tables: Sequence[Any]) -> list[Any] | None:
+        if not tables or not all(isinstance(t, PandasTable) for t in tables):
+            return None
+        rows = _compacted_rows(
+            [(t.columns, t.index, t.standalone) for t in tables],
+            [len(t) for t in tables],
+            host_pool(),
+        )
+        out = [
+            PandasTable(tuple(columns), index, t.names, t.standalone)
+            for (columns, index), t in zip(rows, tables, strict=True)
+        ]
+        copies.count("unpack", sum(_nbytes(t) for t in out))
+        return out
 
     def assemble(
         self, tables: Iterable[PandasTable], nrows: int, meta: pd.DataFrame, keep_index: bool

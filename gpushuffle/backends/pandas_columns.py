@@ -5,8 +5,9 @@ share."""
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -436,3 +437,103 @@ def _same_memory(a: Any, b: Any) -> bool:
     if a is b:
         return True
     return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.shares_memory(a, b)
+
+
+def _compacted_rows(
+    tables: Sequence[tuple[Sequence[Any], np.ndarray | pd.Index | None, frozenset[int]]],
+    lengths: Sequence[int],
+    pool: HostBufferPool,
+) -> list[tuple[list[Any], np.ndarray | pd.Index | None]]:
+    """``tables`` (columns, index and the addresses of the buffers that are
+    allocations of their own, as ``PandasTable`` has them), views that share
+    one received shard's buffers, copied together into memory of their own:
+    one table each, of ``lengths`` rows.
+
+    Numpy data (numpy columns, the flat buffers of extension arrays, a plain
+    index) goes into one pooled block, Arrow chunks into one Arrow array;
+    chunks that are allocations of their own (received cut at output
+    partitions) are kept as they are: they hold nothing else.  The store
+    uses it to let go of a shard most of whose rows were read
+    (:meth:`~gpushuffle.engine.store.ShardStore.read`).
+    """
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    spans = list(itertools.pairwise(bounds))
+    ncolumns = len(tables[0][0])
+    sources: list[list[tuple[np.ndarray, ...]] | None] = []
+    for i in range(ncolumns):
+        parts = [t[0][i] for t in tables]
+        flats = [(p,) if _poolable(p) else flat.flat(p, p.dtype) for p in parts]
+        usable = all(f is not None and len(f) == len(flats[0] or ()) for f in flats)
+        sources.append(cast(list[tuple[np.ndarray, ...]], flats) if usable else None)
+    indexes = [t[1] for t in tables]
+    plain_index = all(isinstance(x, np.ndarray) and _poolable(x) for x in indexes)
+    dtypes = [a.dtype for s in sources if s is not None for a in s[0]]
+    if plain_index:
+        dtypes.append(cast(np.ndarray, indexes[0]).dtype)
+    carved = iter(_carve(pool, bounds[-1], dtypes, "receive"))
+    columns: list[list[Any]] = [[] for _ in tables]
+    for i, parts_flat in enumerate(sources):
+        parts = [t[0][i] for t in tables]
+        if parts_flat is not None:
+            own = []
+            for k in range(len(parts_flat[0])):
+                target = next(carved)
+                np.concatenate([f[k] for f in parts_flat], out=target)
+                own.append(target)
+            dtype = _dtype_of_its_own(parts[0].dtype)
+            for j, (start, stop) in enumerate(spans):
+                rows = tuple(o[start:stop] for o in own)
+                columns[j].append(rows[0] if _poolable(parts[j]) else flat.unflat(rows, dtype))
+        elif all(arrow.is_arrow(p) for p in parts):
+            for j, column in enumerate(_compacted_arrow(parts, [t[2] for t in tables])):
+                columns[j].append(column)
+        else:
+            joined = (
+                np.concatenate(parts)
+                if all(isinstance(p, np.ndarray) for p in parts)
+                else type(parts[0])._concat_same_type(parts)
+            )
+            for j, (start, stop) in enumerate(spans):
+                columns[j].append(joined[start:stop])
+    if plain_index:
+        target = next(carved)
+        np.concatenate(cast(list[np.ndarray], indexes), out=target)
+        new_indexes: list[Any] = [target[start:stop] for start, stop in spans]
+    elif all(x is None for x in indexes):
+        new_indexes = [None] * len(tables)
+    else:
+        joined_index = cast(pd.Index, indexes[0]).append(cast(list[pd.Index], indexes[1:]))
+        new_indexes = [joined_index[start:stop] for start, stop in spans]
+    return list(zip(columns, new_indexes, strict=True))
+
+
+def _dtype_of_its_own(dtype: Any) -> Any:
+    """``dtype``, a categorical's rebuilt: received, its categories (Arrow
+    strings under pandas 3) are views of the message they came in, which
+    would stay alive with every column of that dtype.  Pickled in band, they
+    come back in memory of their own (categories are few, most often)."""
+    if not isinstance(dtype, pd.CategoricalDtype):
+        return dtype
+    return pickle.loads(pickle.dumps(dtype, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _compacted_arrow(parts: Sequence[Any], owned: Sequence[frozenset[int]]) -> list[Any]:
+    """Arrow-backed ``parts`` with every chunk that is a view of shared
+    memory copied, all into one array; chunks made of ``owned[i]`` kept."""
+    copy: list[pa.Array] = []
+    for part, own in zip(parts, owned, strict=True):
+        copy.extend(c for c in part._pa_array.iterchunks() if not arrow.made_of(c, own))
+    joined = pa.concat_arrays(copy) if copy else None  # a copy, even of one chunk
+    position = 0
+    out = []
+    for part, own in zip(parts, owned, strict=True):
+        chunks = []
+        for chunk in part._pa_array.iterchunks():
+            if arrow.made_of(chunk, own):
+                chunks.append(chunk)
+            else:
+                assert joined is not None
+                chunks.append(joined.slice(position, len(chunk)))
+                position += len(chunk)
+        out.append(arrow.with_chunks(part, chunks))
+    return out

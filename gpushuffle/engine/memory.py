@@ -64,6 +64,10 @@ class WorkerMemory:
     #: Groups moved to disk as a run's first output was built, to make room
     #: for its largest output partition (:func:`gpushuffle.engine.budget.make_room`).
     output_sheds: int = 0
+    #: Half-read received shards whose rest the store copied together to
+    #: let them go (``ShardStore.read``), and the bytes copied, all runs.
+    compactions: int = 0
+    compacted_bytes: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the
     #: store to take them: not yet charged to any tier.
     waiting: int = 0
@@ -115,6 +119,12 @@ class WorkerMemory:
             else:
                 self.pause_sheds += 1
 
+    def compacted(self, nbytes: int) -> None:
+        """A half-read shard's rest, of ``nbytes``, copied together."""
+        with self._lock:
+            self.compactions += 1
+            self.compacted_bytes += nbytes
+
     def moved(self, source: str, target: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             movement = self.moves.setdefault((source, target), Movement())
@@ -139,6 +149,8 @@ class WorkerMemory:
             row["runs"] = self.runs_started
             row["pause_sheds"] = self.pause_sheds
             row["output_sheds"] = self.output_sheds
+            row["host_compactions"] = self.compactions
+            row["host_compacted_bytes"] = self.compacted_bytes
             return row
 
 

@@ -883,6 +883,12 @@ class HostBufferPool:
         and as much for the outputs built from it), within the configured limit."""
         self.limit = min(self.configured_limit, 2 * max(0, int(host_budget)))
 
+    def in_use(self, tag: str) -> int:
+        """Bytes of blocks in use for ``tag`` (one of :data:`TAGS`)."""
+        with self._lock:
+            self._absorb_returned()
+            return self._in_use[tag]
+
     def usage(self) -> dict[str, int]:
         """Bytes of free blocks (``free``) and of blocks in use, by tag."""
         with self._lock:

@@ -24,6 +24,17 @@ pieces an unpack task is reading.  Reading brings pieces back up one at a
 time, in input-partition order, so an unpack holds at most its output plus
 one piece.
 
+A shard's rows go to every output partition of the worker, so without more
+the store would hold its whole in-memory tier until the last output is
+built, beside the outputs built so far (seen: with the shuffled frame
+persisted, a worker peaked 0.3 GiB above the outputs themselves).  Once
+unpacks have read at least half of a large host group's bytes, and the
+outputs still held show that they are being kept, the reading thread
+copies what is left of it together into memory of its own
+(:meth:`~gpushuffle.engine.tables.TableBackend.compacted`) and lets the
+shard go: the store shrinks as outputs are built, for copies of at most
+about what it holds (each copy is of at most half a group).
+
 A tier that cannot get under its limit (disk disabled, or every piece being
 read) makes the receiver wait for other shuffles on the worker to release
 memory, up to ``gpushuffle.memory.wait-timeout``; a run that alone exceeds
@@ -35,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import shutil
@@ -55,12 +67,23 @@ from gpushuffle.engine.tables import TableBackend
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
 from gpushuffle.transport import Shard
 
+logger = logging.getLogger(__name__)
+
 #: Borrowed groups a put checks, on average: with more than this, a put
 #: checks them all only every ``len(borrowed) / _RECHARGE_PER_PUT`` puts.
 #: Checking every group on every put made a run's checks grow with the
 #: square of its inputs: at 1,000 input partitions, a second of the event
 #: loop's time per worker and run.
 _RECHARGE_PER_PUT = 32
+
+#: Host groups at least this large are compacted once unpacks read
+#: :data:`_COMPACT_READ_SHARE` of their bytes (see the module docstring);
+#: smaller ones are not worth a copy's fixed costs.
+_COMPACT_MIN_BYTES = 4 << 20
+_COMPACT_READ_SHARE = 0.5
+#: ... and only while outputs held add up to this many of the largest
+#: (:meth:`ShardStore._compact_due_groups` says why).
+_COMPACT_HELD_OUTPUTS = 6
 
 #: A reader that does not say which run it is (tests, tools): not checked.
 _ANY_OWNER = object()
@@ -82,6 +105,8 @@ class _Group:
     nbytes: int
     pieces: list[_Piece] = field(default_factory=list)
     live: int = 0
+    #: Of ``nbytes``: the share of the pieces not yet read or moved.
+    live_nbytes: int = 0
     key: int = -1
     #: A table of borrowed rows covering the group (None: the group owns its buffers).
     borrowed: Any = None
@@ -130,6 +155,10 @@ class StoreStatistics:
     device_peak_bytes: int = 0
     host_peak_bytes: int = 0
     disk_peak_bytes: int = 0
+    #: Host groups copied together once half read, and the bytes copied
+    #: (:meth:`ShardStore.read`).
+    compactions: int = 0
+    bytes_compacted: int = 0
     #: Bytes written to the spill files and read back from them, and the
     #: seconds each write of a group of pieces took (a moving average, as
     #: distributed's buffers keep one for its dashboard).
@@ -204,6 +233,11 @@ class ShardStore:
         self._receipts: dict[tuple[int, int], tuple[int, set[int]]] = {}
         #: Output partitions an unpack has read (their pieces are gone).
         self._read: set[int] = set()
+        #: Host groups half read, for the reading thread to compact.
+        self._compact_due: dict[int, _Group] = {}
+        #: Bytes of the largest output partition read.
+        self._largest_output = 0
+        self._compact_failed = False
         self.statistics = StoreStatistics()
         # Free pool blocks stay while a run is open, for its next split or
         # unpack; the last run closing starts the pool's countdown to release.
@@ -258,6 +292,7 @@ class ShardStore:
             )
             group.pieces.append(piece)
         group.live = len(group.pieces)
+        group.live_nbytes = sum(p.nbytes for p in group.pieces)
         # One shard at a time: a receiver waits here while an earlier one
         # makes room, so the store holds at most its budget plus one shard
         # (and senders wait for the reply: back-pressure).
@@ -383,7 +418,9 @@ class ShardStore:
         # rows are charged for while their input is held: the partition
         # column, a copied index).
         held = None
-        for group in self._groups.values():
+        # A snapshot: unpack threads add and remove groups meanwhile (list()
+        # copies the dict in one step under the GIL).
+        for group in list(self._groups.values()):
             if group.tier != tier or not group.nbytes:
                 continue
             if not any(p.group is group and not p.reading for p in group.pieces):
@@ -406,7 +443,9 @@ class ShardStore:
             # its bytes need, and receives must go on meanwhile.
             host_table = await self._offload(self._to_host, piece.table)
             copies.count("move", piece.nbytes)
-            moved = _Group(tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1)
+            moved = _Group(
+                tier=HOST, nbytes=piece.nbytes, pieces=[piece], live=1, live_nbytes=piece.nbytes
+            )
             with self._lock:
                 if piece.group is not group or piece.reading:
                     continue  # read or released meanwhile: keep it where it is
@@ -414,7 +453,7 @@ class ShardStore:
                 self._add_group(moved)
                 self._charge(HOST, piece.nbytes)
                 self._memory.moved(DEVICE, HOST, piece.nbytes, time.perf_counter() - start)
-            self._unref(group)
+            self._unref(group, piece.nbytes)
 
     async def _move_to_disk(self, group: _Group) -> None:
         """Append each piece of ``group`` to its partition's file, in one trip
@@ -438,7 +477,7 @@ class ShardStore:
                 piece.table, piece.group, piece.disk = None, None, location
                 self._charge(DISK, piece.nbytes)
                 self._memory.moved(HOST, DISK, piece.nbytes, seconds)
-                self._unref_locked(group)
+                self._unref_locked(group, piece.nbytes)
 
     async def _wait_until_within(self, tier: str) -> None:
         usage = self._memory.tier(tier)
@@ -559,6 +598,7 @@ class ShardStore:
             for piece in pieces:
                 piece.reading = True
             self.statistics.partitions_read += 1
+            self._largest_output = max(self._largest_output, sum(p.nbytes for p in pieces))
         pieces.sort(key=lambda piece: (piece.input_partition, piece.chunk))
         return sum(p.nrows for p in pieces), self._bring_up(partition, pieces)
 
@@ -589,6 +629,7 @@ class ShardStore:
                 del table
                 disk = piece.disk
                 self._consumed(piece)
+                self._compact_due_groups()
                 if disk is not None and mapping is not None:
                     _drop_pages(mapping, disk.offset, sum(disk.lengths))
         finally:
@@ -623,7 +664,74 @@ class ShardStore:
             if not piece.reading:
                 return
             piece.reading = False
+            group = piece.group
             self._drop_locked(piece)
+            if (
+                group is not None
+                and group.live
+                and group.tier == HOST
+                and group.borrowed is None
+                and group.nbytes >= _COMPACT_MIN_BYTES
+                and group.live_nbytes <= (1 - _COMPACT_READ_SHARE) * group.nbytes
+            ):
+                self._compact_due[group.key] = group
+
+    def _compact_due_groups(self) -> None:
+        """Copy what is left of each half-read host group together, and let
+        the group's buffers go (the module docstring says why).
+
+        Only once the outputs built and still held (their pooled blocks) add
+        up to :data:`_COMPACT_HELD_OUTPUTS` of the largest: they are being
+        kept (a persisted frame), and the peak grows with every further
+        output unless the store shrinks.  Where outputs are consumed as they
+        are built, the peak came early in the unpack, and copies made halfway
+        only added their pages while the group's waited, freed, in the pool
+        (110 MiB a worker, 12M rows on 2 workers).
+        """
+        pool = host_pool()
+        while True:
+            with self._lock:
+                if self._closed or self._compact_failed or not self._compact_due:
+                    return
+                if pool.in_use("unpack") < _COMPACT_HELD_OUTPUTS * self._largest_output:
+                    return
+                _, group = self._compact_due.popitem()
+                pieces = [
+                    p
+                    for p in group.pieces
+                    if p.group is group and not p.reading and p.table is not None
+                ]
+                tables = [p.table for p in pieces]
+            try:
+                compacted = self._backend.compacted(tables) if pieces else None
+            except Exception:
+                # Only memory is at stake: the pieces stay where they are.
+                logger.warning(
+                    "%s: could not copy half-read shards together; they stay whole",
+                    self._describe,
+                    exc_info=True,
+                )
+                self._compact_failed = True
+                compacted = None
+            del tables
+            if compacted is None:
+                continue
+            into = _Group(tier=group.tier, nbytes=0)
+            with self._lock:
+                for piece, table in zip(pieces, compacted, strict=True):
+                    if self._closed or piece.group is not group or piece.reading:
+                        continue  # read, moved or released meanwhile: the copy goes
+                    piece.table, piece.group = table, into
+                    into.pieces.append(piece)
+                    into.nbytes += piece.nbytes
+                    self._unref_locked(group, piece.nbytes)
+                if into.pieces:
+                    into.live, into.live_nbytes = len(into.pieces), into.nbytes
+                    self._add_group(into)
+                    self._charge(into.tier, into.nbytes)
+                    self.statistics.compactions += 1
+                    self.statistics.bytes_compacted += into.nbytes
+                    self._memory.compacted(into.nbytes)
 
     # -- partial recovery (gpushuffle.engine.recovery) -----------------------
 
@@ -707,7 +815,7 @@ class ShardStore:
             piece.disk = None
         if piece.group is not None:
             group, piece.group = piece.group, None
-            self._unref_locked(group)
+            self._unref_locked(group, piece.nbytes)
 
     # -- accounting ---------------------------------------------------------
 
@@ -729,12 +837,14 @@ class ShardStore:
         self._next_group += 1
         self._groups[group.key] = group
 
-    def _unref(self, group: _Group) -> None:
+    def _unref(self, group: _Group, nbytes: int) -> None:
         with self._lock:
-            self._unref_locked(group)
+            self._unref_locked(group, nbytes)
 
-    def _unref_locked(self, group: _Group) -> None:
+    def _unref_locked(self, group: _Group, nbytes: int) -> None:
+        """One of ``group``'s pieces, of ``nbytes``, left it."""
         group.live -= 1
+        group.live_nbytes -= nbytes
         if group.live == 0:
             self._charge(group.tier, -group.nbytes)
             self._groups.pop(group.key, None)
@@ -762,6 +872,7 @@ class ShardStore:
                 group.borrowed = None
             self._groups.clear()
             self._borrowed.clear()
+            self._compact_due.clear()
             self._pieces.clear()
         host_pool().unhold(unpacked=self._unpacking)
         shutil.rmtree(self._directory, ignore_errors=True)

@@ -167,6 +167,13 @@ class TableBackend(abc.ABC):
         backends whose split shares buffers between destinations copy."""
         return table
 
+    def compacted(self, tables: Sequence[Any]) -> list[Any] | None:
+        """``tables``, pieces of one received shard (views of its buffers), in
+        memory of their own, together: what a store holds once most of the
+        shard's rows were read, so that it can let go of the shard.  None:
+        the backend keeps them as they are (the default)."""
+        return None
+
     def to_host(self, table: Any) -> Any:
         """A copy of a device table in host memory (identity for host backends)."""
         return table

@@ -723,11 +723,8 @@ def _set_borrow(value, dask_worker=None) -> None:
 
 
 @borrows
-def _wide_part(i: int, n: int = 300_000) -> pd.DataFrame:
-    rng = np.random.default_rng(i)
-    return pd.DataFrame(
-        {"key": rng.integers(0, 10**6, n), **{f"x{c}": rng.random(n) for c in range(6)}}
-    )
+def _column_sums(part: pd.DataFrame) -> pd.DataFrame:
+    return part.sum().to_frame().T
 
 
 def _outputs_in_use() -> int:
@@ -741,21 +738,23 @@ def test_a_persisted_shuffle_lets_go_of_received_shards_as_its_outputs_grow():
     shard was read, the store copies its rest together and lets the shard's
     receive buffer go (engine/store.py), so it shrinks as the outputs grow;
     measured, 12M rows on 2 workers peaked 0.18 GiB lower.  On real workers
-    over TCP, every row lands as with the tasks method.  Outputs computed
-    and dropped one by one copy nothing."""
-    pdf = pd.concat([_wide_part(i) for i in range(8)])  # 8 MB to each peer per input
+    over TCP, every row lands as with the tasks method.  The same shuffle
+    reduced as it is built copies nothing."""
+    from gpushuffle.bench import persisted_evenly
+
     with cluster_with({}) as client:
-        df = dd.from_map(_wide_part, range(8)).persist()
-        wait(df)
+        # Four inputs on each worker (8 MB of rows to its peer from each).
+        df = persisted_evenly(client, rows=2_400_000, partitions=8, columns=7)
+        pdf = df.compute()
 
-        def compactions() -> pd.Series:
-            return gpushuffle.statistics(client)["host_compactions"]
+        def totals() -> pd.DataFrame:
+            return gpushuffle.statistics(client)[["host_compactions", "wire_bytes_sent"]]
 
-        before = compactions()
+        before = totals()
         ours = df.shuffle("key", npartitions=24, shuffle_method="gpushuffle").persist()
         wait(ours)
-        during = compactions()
-        assert ((during - before) > 0).all(), (before, during)
+        kept = totals() - before
+        assert (kept["host_compactions"] > 0).all(), kept
         check(ours, df.shuffle("key", npartitions=24, shuffle_method="tasks"), pdf)
         del ours
         # Released asynchronously: the outputs of the next shuffle alone count.
@@ -763,10 +762,16 @@ def test_a_persisted_shuffle_lets_go_of_received_shards_as_its_outputs_grow():
         while any(client.run(_outputs_in_use).values()):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        # Consumed as built (a reduction): the shards stay whole.
-        total = df.shuffle("key", npartitions=24, shuffle_method="gpushuffle").x0.sum()
-        assert total.compute() == pytest.approx(pdf.x0.sum())
-        assert (compactions() == during).all()
+        before = totals()
+        shuffled = df.shuffle("key", npartitions=24, shuffle_method="gpushuffle")
+        # A map_partitions keeps the shuffle (dask drops one under a plain sum).
+        sums = shuffled.map_partitions(_column_sums).compute().sum()
+        reduced = totals() - before
+        pd.testing.assert_series_equal(sums, pdf.sum(), rtol=1e-9)
+        # Every column went (dask pushes a projection into the shuffle: a
+        # reduction of one column would move too little to copy anything).
+        assert (reduced["wire_bytes_sent"] >= 0.9 * kept["wire_bytes_sent"]).all()
+        assert (reduced["host_compactions"] == 0).all(), reduced
         del df
         assert_nothing_left_behind(client)
 

@@ -496,6 +496,8 @@ class PandasBackend(TableBackend):
             [len(t) for t in tables],
             host_pool(),
         )
+        if rows is None:
+            return None
         out = [
             PandasTable(tuple(columns), index, t.names, t.standalone)
             for (columns, index), t in zip(rows, tables, strict=True)

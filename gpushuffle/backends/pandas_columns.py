@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -301,6 +301,14 @@ def _concat_index(indexes: list[pd.Index], pool: HostBufferPool) -> pd.Index:
     ):
         values = _concat_numpy([i.values for i in indexes], pool)
         return pd.Index(values, name=first.name, copy=False)
+    if all(type(i) is pd.Index and arrow.is_arrow(i.array) for i in indexes):
+        # Arrow-backed (strings under pandas 3): appended, the output's index
+        # would be views of every message its rows came in, and keep them
+        # alive, numeric columns and all, as long as the output.
+        chunks = [c for i in indexes for c in i.array._pa_array.iterchunks()]
+        arrow_type = first.array._pa_array.type
+        joined = pa.concat_arrays(chunks) if chunks else pa.array([], arrow_type)  # a copy
+        return pd.Index(arrow.with_chunks(first.array, [joined]), name=first.name, copy=False)
     return first.append(indexes[1:]) if len(indexes) > 1 else first
 
 
@@ -443,58 +451,39 @@ def _compacted_rows(
     tables: Sequence[tuple[Sequence[Any], np.ndarray | pd.Index | None, frozenset[int]]],
     lengths: Sequence[int],
     pool: HostBufferPool,
-) -> list[tuple[list[Any], np.ndarray | pd.Index | None]]:
+) -> list[tuple[list[Any], np.ndarray | pd.Index | None]] | None:
     """``tables`` (columns, index and the addresses of the buffers that are
     allocations of their own, as ``PandasTable`` has them), views that share
     one received shard's buffers, copied together into memory of their own:
-    one table each, of ``lengths`` rows.
+    one table each, of ``lengths`` rows.  None for an index it cannot copy
+    whole (a MultiIndex, a CategoricalIndex): the shard then stays as it is.
 
     Numpy data (numpy columns, the flat buffers of extension arrays, a plain
     index) goes into one pooled block, Arrow chunks into one Arrow array;
     chunks that are allocations of their own (received cut at output
     partitions) are kept as they are: they hold nothing else.  The store
-    uses it to let go of a shard most of whose rows were read
-    (:meth:`~gpushuffle.engine.store.ShardStore.read`).
+    uses it to let go of a shard half of whose rows were read
+    (``ShardStore._compact_due_groups``).
     """
+    indexes = [t[1] for t in tables]
+    plain_index = all(isinstance(x, np.ndarray) and _poolable(x) for x in indexes)
+    whole = (pd.MultiIndex, pd.CategoricalIndex)  # their levels or categories are views
+    if not plain_index and any(x is not None and isinstance(x, whole) for x in indexes):
+        return None
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     spans = list(itertools.pairwise(bounds))
     ncolumns = len(tables[0][0])
-    sources: list[list[tuple[np.ndarray, ...]] | None] = []
-    for i in range(ncolumns):
-        parts = [t[0][i] for t in tables]
-        flats = [(p,) if _poolable(p) else flat.flat(p, p.dtype) for p in parts]
-        usable = all(f is not None and len(f) == len(flats[0] or ()) for f in flats)
-        sources.append(cast(list[tuple[np.ndarray, ...]], flats) if usable else None)
-    indexes = [t[1] for t in tables]
-    plain_index = all(isinstance(x, np.ndarray) and _poolable(x) for x in indexes)
+    parts = [[t[0][i] for t in tables] for i in range(ncolumns)]
+    sources = [_flat_parts(column) for column in parts]
     dtypes = [a.dtype for s in sources if s is not None for a in s[0]]
     if plain_index:
         dtypes.append(cast(np.ndarray, indexes[0]).dtype)
     carved = iter(_carve(pool, bounds[-1], dtypes, "receive"))
-    columns: list[list[Any]] = [[] for _ in tables]
-    for i, parts_flat in enumerate(sources):
-        parts = [t[0][i] for t in tables]
-        if parts_flat is not None:
-            own = []
-            for k in range(len(parts_flat[0])):
-                target = next(carved)
-                np.concatenate([f[k] for f in parts_flat], out=target)
-                own.append(target)
-            dtype = _dtype_of_its_own(parts[0].dtype)
-            for j, (start, stop) in enumerate(spans):
-                rows = tuple(o[start:stop] for o in own)
-                columns[j].append(rows[0] if _poolable(parts[j]) else flat.unflat(rows, dtype))
-        elif all(arrow.is_arrow(p) for p in parts):
-            for j, column in enumerate(_compacted_arrow(parts, [t[2] for t in tables])):
-                columns[j].append(column)
-        else:
-            joined = (
-                np.concatenate(parts)
-                if all(isinstance(p, np.ndarray) for p in parts)
-                else type(parts[0])._concat_same_type(parts)
-            )
-            for j, (start, stop) in enumerate(spans):
-                columns[j].append(joined[start:stop])
+    owned = [t[2] for t in tables]
+    columns = [
+        _compacted_column(column, flats, carved, spans, owned)
+        for column, flats in zip(parts, sources, strict=True)
+    ]
     if plain_index:
         target = next(carved)
         np.concatenate(cast(list[np.ndarray], indexes), out=target)
@@ -502,9 +491,60 @@ def _compacted_rows(
     elif all(x is None for x in indexes):
         new_indexes = [None] * len(tables)
     else:
-        joined_index = cast(pd.Index, indexes[0]).append(cast(list[pd.Index], indexes[1:]))
-        new_indexes = [joined_index[start:stop] for start, stop in spans]
-    return list(zip(columns, new_indexes, strict=True))
+        new_indexes = _compacted_index(cast(list[pd.Index], indexes), spans, owned)
+    return [([column[j] for column in columns], new_indexes[j]) for j in range(len(tables))]
+
+
+def _flat_parts(parts: Sequence[Any]) -> list[tuple[np.ndarray, ...]] | None:
+    """Each part's numpy arrays (itself, or its flat buffers), or None if
+    some part has none (Arrow with nulls, strings, objects)."""
+    flats = [(p,) if _poolable(p) else flat.flat(p, p.dtype) for p in parts]
+    if any(f is None for f in flats) or len({len(cast(tuple, f)) for f in flats}) != 1:
+        return None
+    return cast(list[tuple[np.ndarray, ...]], flats)
+
+
+def _compacted_column(
+    parts: Sequence[Any],
+    flats: list[tuple[np.ndarray, ...]] | None,
+    carved: Iterator[np.ndarray],
+    spans: Sequence[tuple[int, int]],
+    owned: Sequence[frozenset[int]],
+) -> list[Any]:
+    """One column of :func:`_compacted_rows`: a part per table, copied."""
+    if flats is not None:
+        own = []
+        for k in range(len(flats[0])):
+            target = next(carved)
+            np.concatenate([f[k] for f in flats], out=target)
+            own.append(target)
+        dtype = _dtype_of_its_own(parts[0].dtype)
+        out = []
+        for part, (start, stop) in zip(parts, spans, strict=True):
+            rows = tuple(o[start:stop] for o in own)
+            out.append(rows[0] if _poolable(part) else flat.unflat(rows, dtype))
+        return out
+    if all(arrow.is_arrow(p) for p in parts):
+        return _compacted_arrow(parts, owned)
+    joined = (
+        np.concatenate(parts)
+        if all(isinstance(p, np.ndarray) for p in parts)
+        else type(parts[0])._concat_same_type(parts)
+    )
+    return [joined[start:stop] for start, stop in spans]
+
+
+def _compacted_index(
+    indexes: Sequence[pd.Index], spans: Sequence[tuple[int, int]], owned: Sequence[frozenset[int]]
+) -> list[pd.Index]:
+    """The index of :func:`_compacted_rows` that is a ``pd.Index``: Arrow-backed
+    (strings under pandas 3) as its columns are; otherwise appended (a copy)."""
+    first = indexes[0]
+    if arrow.is_arrow(first.array):
+        arrays = _compacted_arrow([x.array for x in indexes], owned)
+        return [pd.Index(a, name=first.name, copy=False) for a in arrays]
+    joined = first.append(list(indexes[1:]))
+    return [joined[start:stop] for start, stop in spans]
 
 
 def _dtype_of_its_own(dtype: Any) -> Any:
@@ -519,11 +559,17 @@ def _dtype_of_its_own(dtype: Any) -> Any:
 
 def _compacted_arrow(parts: Sequence[Any], owned: Sequence[frozenset[int]]) -> list[Any]:
     """Arrow-backed ``parts`` with every chunk that is a view of shared
-    memory copied, all into one array; chunks made of ``owned[i]`` kept."""
+    memory copied, all into one array; chunks made of ``owned[i]`` kept.
+    A dictionary's values are copied too (``concat_arrays`` keeps the first
+    chunk's, a view of the message)."""
     copy: list[pa.Array] = []
     for part, own in zip(parts, owned, strict=True):
         copy.extend(c for c in part._pa_array.iterchunks() if not arrow.made_of(c, own))
     joined = pa.concat_arrays(copy) if copy else None  # a copy, even of one chunk
+    if isinstance(joined, pa.DictionaryArray):
+        joined = pa.DictionaryArray.from_arrays(
+            joined.indices, pa.concat_arrays([joined.dictionary]), ordered=joined.type.ordered
+        )
     position = 0
     out = []
     for part, own in zip(parts, owned, strict=True):

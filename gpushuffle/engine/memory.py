@@ -65,7 +65,8 @@ class WorkerMemory:
     #: for its largest output partition (:func:`gpushuffle.engine.budget.make_room`).
     output_sheds: int = 0
     #: Half-read received shards whose rest the store copied together to
-    #: let them go (``ShardStore.read``), and the bytes copied, all runs.
+    #: let them go (``ShardStore._compact_due_groups``), and the bytes of
+    #: the pieces moved, all runs.
     compactions: int = 0
     compacted_bytes: int = 0
     #: Bytes of shards that arrived (or were split locally) and wait for the

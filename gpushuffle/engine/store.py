@@ -81,9 +81,9 @@ _RECHARGE_PER_PUT = 32
 #: smaller ones are not worth a copy's fixed costs.
 _COMPACT_MIN_BYTES = 4 << 20
 _COMPACT_READ_SHARE = 0.5
-#: ... and only while outputs held add up to this many of the largest
-#: (:meth:`ShardStore._compact_due_groups` says why).
-_COMPACT_HELD_OUTPUTS = 6
+#: ... and only while outputs held add up to this many of the largest,
+#: plus two for each being built (:meth:`ShardStore._compact_due_groups`).
+_COMPACT_HELD_OUTPUTS = 4
 
 #: A reader that does not say which run it is (tests, tools): not checked.
 _ANY_OWNER = object()
@@ -155,8 +155,8 @@ class StoreStatistics:
     device_peak_bytes: int = 0
     host_peak_bytes: int = 0
     disk_peak_bytes: int = 0
-    #: Host groups copied together once half read, and the bytes copied
-    #: (:meth:`ShardStore.read`).
+    #: Host groups whose rest was copied together once half read, and the
+    #: bytes of the pieces moved (:meth:`ShardStore._compact_due_groups`).
     compactions: int = 0
     bytes_compacted: int = 0
     #: Bytes written to the spill files and read back from them, and the
@@ -235,8 +235,12 @@ class ShardStore:
         self._read: set[int] = set()
         #: Host groups half read, for the reading thread to compact.
         self._compact_due: dict[int, _Group] = {}
-        #: Bytes of the largest output partition read.
+        #: Bytes of the largest output partition read, and how many are
+        #: being read now.
         self._largest_output = 0
+        self._reading = 0
+        #: A backend that failed to copy once is not asked again: the
+        #: failure is a bug to report (logged), and only memory is at stake.
         self._compact_failed = False
         self.statistics = StoreStatistics()
         # Free pool blocks stay while a run is open, for its next split or
@@ -607,6 +611,8 @@ class ShardStore:
         # views of the page cache, copied straight into the output, instead
         # of a read into fresh memory and a second copy.
         mapping: mmap.mmap | None = None
+        with self._lock:
+            self._reading += 1
         try:
             for piece in pieces:
                 # close() deleted the spill files and released every piece.
@@ -633,6 +639,8 @@ class ShardStore:
                 if disk is not None and mapping is not None:
                     _drop_pages(mapping, disk.offset, sum(disk.lengths))
         finally:
+            with self._lock:
+                self._reading -= 1
             for piece in pieces:
                 if piece.reading:
                     self._consumed(piece)
@@ -680,20 +688,26 @@ class ShardStore:
         """Copy what is left of each half-read host group together, and let
         the group's buffers go (the module docstring says why).
 
-        Only once the outputs built and still held (their pooled blocks) add
-        up to :data:`_COMPACT_HELD_OUTPUTS` of the largest: they are being
-        kept (a persisted frame), and the peak grows with every further
-        output unless the store shrinks.  Where outputs are consumed as they
-        are built, the peak came early in the unpack, and copies made halfway
-        only added their pages while the group's waited, freed, in the pool
-        (110 MiB a worker, 12M rows on 2 workers).
+        Only once the outputs built and still held (the pool's ``unpack``
+        blocks, of every run here) add up to :data:`_COMPACT_HELD_OUTPUTS` of
+        the largest, beyond two for each output being built (its own block,
+        and the one before, waiting for the task that reads it): outputs are
+        being kept (a persisted frame), and the peak grows with every
+        further output unless the store shrinks.  Where outputs are consumed
+        as they are built, the peak came early in the unpack, and copies made
+        halfway only added their pages while the group's waited, freed, in
+        the pool (381 -> 490 MiB a worker, 12M rows on 2 workers).  Outputs
+        the pool does not hold (pool off, under 1 MiB, larger than its
+        limit) are not counted: then nothing is copied.
         """
         pool = host_pool()
         while True:
+            held = pool.in_use("unpack")  # not under the store's lock: it may unmap
             with self._lock:
                 if self._closed or self._compact_failed or not self._compact_due:
                     return
-                if pool.in_use("unpack") < _COMPACT_HELD_OUTPUTS * self._largest_output:
+                building = _COMPACT_HELD_OUTPUTS + 2 * self._reading
+                if held < building * self._largest_output:
                     return
                 _, group = self._compact_due.popitem()
                 pieces = [
@@ -705,7 +719,6 @@ class ShardStore:
             try:
                 compacted = self._backend.compacted(tables) if pieces else None
             except Exception:
-                # Only memory is at stake: the pieces stay where they are.
                 logger.warning(
                     "%s: could not copy half-read shards together; they stay whole",
                     self._describe,
@@ -714,24 +727,29 @@ class ShardStore:
                 self._compact_failed = True
                 compacted = None
             del tables
-            if compacted is None:
-                continue
-            into = _Group(tier=group.tier, nbytes=0)
-            with self._lock:
-                for piece, table in zip(pieces, compacted, strict=True):
-                    if self._closed or piece.group is not group or piece.reading:
-                        continue  # read, moved or released meanwhile: the copy goes
-                    piece.table, piece.group = table, into
-                    into.pieces.append(piece)
-                    into.nbytes += piece.nbytes
-                    self._unref_locked(group, piece.nbytes)
-                if into.pieces:
-                    into.live, into.live_nbytes = len(into.pieces), into.nbytes
-                    self._add_group(into)
-                    self._charge(into.tier, into.nbytes)
-                    self.statistics.compactions += 1
-                    self.statistics.bytes_compacted += into.nbytes
-                    self._memory.compacted(into.nbytes)
+            if compacted is not None:
+                self._move_into_new_group(group, pieces, compacted)
+
+    def _move_into_new_group(self, group: _Group, pieces: list[_Piece], tables: list[Any]) -> None:
+        """Give ``pieces`` of ``group`` their copies ``tables``, in a group
+        of their own; pieces read, moved or released meanwhile keep theirs
+        (the copy goes)."""
+        into = _Group(tier=group.tier, nbytes=0)
+        with self._lock:
+            for piece, table in zip(pieces, tables, strict=True):
+                if self._closed or piece.group is not group or piece.reading:
+                    continue
+                piece.table, piece.group = table, into
+                into.pieces.append(piece)
+                into.nbytes += piece.nbytes
+                self._unref_locked(group, piece.nbytes)
+            if into.pieces:
+                into.live, into.live_nbytes = len(into.pieces), into.nbytes
+                self._add_group(into)
+                self._charge(into.tier, into.nbytes)
+                self.statistics.compactions += 1
+                self.statistics.bytes_compacted += into.nbytes
+                self._memory.compacted(into.nbytes)
 
     # -- partial recovery (gpushuffle.engine.recovery) -----------------------
 
@@ -794,6 +812,8 @@ class ShardStore:
                 self._offload = offload
                 self._describe = describe
                 unpacked, self._unpacking = self._unpacking, False
+                self._compact_due.clear()
+                self._largest_output = 0
             if unpacked:
                 host_pool().uncount_unpack()
         return {b: frozenset(c) for b, c in complete.items()}, emptied, kept_bytes, dropped

@@ -169,7 +169,7 @@ class TableBackend(abc.ABC):
 
     def compacted(self, tables: Sequence[Any]) -> list[Any] | None:
         """``tables``, pieces of one received shard (views of its buffers), in
-        memory of their own, together: what a store holds once most of the
+        memory of their own, together: what a store holds once half of the
         shard's rows were read, so that it can let go of the shard.  None:
         the backend keeps them as they are (the default)."""
         return None

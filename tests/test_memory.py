@@ -722,7 +722,6 @@ def _set_borrow(value, dask_worker=None) -> None:
     dask.config.set({"gpushuffle.memory.borrow-inputs": value})
 
 
-@borrows
 def _column_sums(part: pd.DataFrame) -> pd.DataFrame:
     return part.sum().to_frame().T
 
@@ -776,6 +775,7 @@ def test_a_persisted_shuffle_lets_go_of_received_shards_as_its_outputs_grow():
         assert_nothing_left_behind(client)
 
 
+@borrows
 def test_rows_kept_on_their_worker_stay_in_a_persisted_input():
     """With a persisted input, the rows a worker keeps are not copied (only
     those sent are); an input computed on the way is copied whole; every

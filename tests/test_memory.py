@@ -737,8 +737,7 @@ def test_a_persisted_shuffle_lets_go_of_received_shards_as_its_outputs_grow():
     shard was read, the store copies its rest together and lets the shard's
     receive buffer go (engine/store.py), so it shrinks as the outputs grow;
     measured, 12M rows on 2 workers peaked 0.18 GiB lower.  On real workers
-    over TCP, every row lands as with the tasks method.  The same shuffle
-    reduced as it is built copies nothing."""
+    over TCP, every row lands as with the tasks method, and as reduced."""
     from gpushuffle.bench import persisted_evenly
 
     with cluster_with({}) as client:
@@ -770,7 +769,10 @@ def test_a_persisted_shuffle_lets_go_of_received_shards_as_its_outputs_grow():
         # Every column went (dask pushes a projection into the shuffle: a
         # reduction of one column would move too little to copy anything).
         assert (reduced["wire_bytes_sent"] >= 0.9 * kept["wire_bytes_sent"]).all()
-        assert (reduced["host_compactions"] == 0).all(), reduced
+        # Whether it copies depends on the scheduler's order: the newest dask
+        # ran every unpack before the reductions (outputs held: copies, 6 on a
+        # worker), 2026.7.1 reduces each as it is built (none).  That outputs
+        # consumed as built copy nothing is tests/test_store.py's to check.
         del df
         assert_nothing_left_behind(client)
 

@@ -498,7 +498,7 @@ def _compacted_rows(
 def _flat_parts(parts: Sequence[Any]) -> list[tuple[np.ndarray, ...]] | None:
     """Each part's numpy arrays (itself, or its flat buffers), or None if
     some part has none (Arrow with nulls, strings, objects)."""
-    flats = [(p,) if _poolable(p) else flat.flat(p, p.dtype) for p in parts]
+    flats = _numpy_parts(parts)
     if any(f is None for f in flats) or len({len(cast(tuple, f)) for f in flats}) != 1:
         return None
     return cast(list[tuple[np.ndarray, ...]], flats)

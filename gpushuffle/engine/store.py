@@ -701,7 +701,10 @@ class ShardStore:
         limit) are not counted: then nothing is copied.
         """
         pool = host_pool()
-        while True:
+        # Called after every piece an unpack consumes: with nothing due, no
+        # trip to the pool's lock (an unlocked look; a group queued meanwhile
+        # is taken after the next piece).
+        while self._compact_due:
             held = pool.in_use("unpack")  # not under the store's lock: it may unmap
             with self._lock:
                 if self._closed or self._compact_failed or not self._compact_due:

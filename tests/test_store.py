@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import pickle
 import tracemalloc
 
 import dask
@@ -790,3 +791,59 @@ def test_kept_outputs_with_a_string_index_hold_no_received_buffer(tmp_path, monk
         tmp_path, keep_outputs=True, index="str", nparts=8, rows=60_000
     )
     assert statistics.compactions == 0 and held[-1] == (0, 0)
+
+
+def test_spilled_pieces_pickle_each_dtype_once_per_store_and_read_back_exactly(tmp_path):
+    """Every received shard unpickles dtype objects of its own; spilled
+    pieces refer to them by number in the store's memo, which holds one of
+    each dtype (not one per shard, nor per piece), and every output reads
+    back row for row, dtypes included (categories in their order)."""
+    backend = PandasBackend()
+    memory = make_memory(host=1)  # every shard goes to disk
+    store = store_for(backend, memory, tmp_path)
+    nparts = 8
+    inputs = [_mixed_input(2_000, nparts, seed) for seed in range(4)]
+    # The last input's categories in another order: an unordered dtype that
+    # compares equal to the others', whose codes mean other values.
+    inputs[-1]["c"] = inputs[-1]["c"].cat.reorder_categories(["c", "b", "a"])
+
+    memo_sizes = []
+
+    async def fill():
+        for i, frame in enumerate(inputs):
+            shard, _ = _received_shard(backend, frame, nparts, i)
+            await store.put(shard)
+            memo_sizes.append(len(store._spill_memo))
+
+    asyncio.run(fill())
+    assert memory.host.bytes == 0 and memory.disk.bytes > 0
+    meta = inputs[0].drop(columns="_partitions").iloc[:0]
+    # Shards of the same dtypes add nothing (keyed by identity, each shard
+    # would add its own); the reordered categories are one more.
+    first = memo_sizes[0]
+    assert first >= len({str(d) for d in meta.dtypes}) and memo_sizes == [first] * 3 + [first + 1]
+    store.start_unpack()
+    for p in range(nparts):
+        _, tables = store.read(p)
+        pieces = [pd.DataFrame(dict(zip(meta.columns, t.columns, strict=True))) for t in tables]
+        codes = [piece["c"].cat.categories.tolist() for piece in pieces]
+        assert codes == [["a", "b", "c"]] * 3 + [["c", "b", "a"]]
+        for piece, frame in zip(pieces, inputs, strict=True):
+            expected = frame[frame["_partitions"] == p].drop(columns="_partitions")
+            piece.index = expected.index
+            assert piece.equals(expected) and list(piece.dtypes) == list(expected.dtypes)
+    store.close()
+    assert_nothing_charged(memory)
+
+
+def test_a_pickle_made_with_a_memo_names_what_reads_it():
+    from gpushuffle.backends import arrow
+
+    memo = arrow.PickleMemo()
+    values = pd.Categorical(["x", "y"])
+    buffers: list[pickle.PickleBuffer] = []
+    payload = arrow.dumps(values, buffers.append, memo=memo)
+    assert len(memo) == 2  # the categorical's dtype, its codes' numpy dtype
+    with pytest.raises(pickle.UnpicklingError, match="memo of dtypes"):
+        pickle.loads(payload, buffers=buffers)
+    assert arrow.loads(payload, buffers, memo).equals(values)

@@ -271,7 +271,7 @@ class CudfBackend(TableBackend):
         )
 
     def serialize(
-        self, table: CudfTable, *, device_frames: bool = False
+        self, table: CudfTable, *, device_frames: bool = False, memo: Any = None
     ) -> tuple[dict[str, Any], list[Any]]:
         if table.packed is not None:
             packed = table.packed

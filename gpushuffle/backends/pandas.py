@@ -213,6 +213,9 @@ _SCATTER_MIN_ROWS = 1 << 14
 
 _REORDERS = ("auto", "gather", "scatter")
 
+#: Key of a spilled piece's header that holds its store's memo (in memory only).
+_MEMO = "memo"
+
 
 def _worth_scattering(rows: int, nrows: int) -> bool:
     """Whether "auto" scatters ``rows`` of a partition of ``nrows`` in one pass."""
@@ -639,6 +642,11 @@ class PandasBackend(TableBackend):
             return table.source.unshared_bytes()
         return None
 
+    def new_memo(self) -> arrow.PickleMemo:
+        # Spilled pieces pickle their dtypes by number into it: a
+        # categorical's categories once per store, not once per piece.
+        return arrow.PickleMemo()
+
     def materialize(self, table: PandasTable | BorrowedRows) -> PandasTable:
         if isinstance(table, BorrowedRows):
             return _materialize(table)
@@ -648,7 +656,11 @@ class PandasBackend(TableBackend):
         return len(table)
 
     def serialize(
-        self, table: PandasTable | BorrowedRows, *, device_frames: bool = False
+        self,
+        table: PandasTable | BorrowedRows,
+        *,
+        device_frames: bool = False,
+        memo: arrow.PickleMemo | None = None,
     ) -> tuple[dict[str, Any], list[Any]]:
         table = self.materialize(table)
         buffers: list[pickle.PickleBuffer] = []
@@ -656,20 +668,22 @@ class PandasBackend(TableBackend):
         try:
             # numpy arrays and Arrow buffers go out of band as views; only
             # object columns and small metadata are copied into the payload.
-            payload = arrow.dumps((table.columns, table.index), buffers.append, chunk_buffers)
+            payload = arrow.dumps((table.columns, table.index), buffers.append, chunk_buffers, memo)
         except Exception as e:
             raise _unpicklable(table, e) from e
         copies.count("serialize", len(payload))
-        header = {
+        header: dict[str, Any] = {
             "npickle-buffers": len(buffers),
             # Frames (payload first) to receive into memory of their own:
             # Arrow chunks made of such frames are kept as they arrived.
             OWN_FRAMES: [1 + i for i in chunk_buffers],
         }
+        if memo is not None:
+            header[_MEMO] = memo
         return header, [payload, *(b.raw() for b in buffers)]
 
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> PandasTable:
-        columns, index = pickle.loads(frames[0], buffers=frames[1:])
+        columns, index = arrow.loads(frames[0], frames[1:], header.get(_MEMO))
         copies.count("deserialize", memoryview(frames[0]).nbytes)
         standalone = frozenset(_address(f) for f in frames[1:] if _standalone(f))
         return PandasTable(columns, index, standalone=standalone)

@@ -211,6 +211,8 @@ class ShardStore:
         host_sharers: int = 1,
     ) -> None:
         self._backend = backend
+        # What spilled pieces share (a pandas store's dtypes): pickled once.
+        self._spill_memo = backend.new_memo()
         self._memory = memory
         self._directory = directory
         self._directory_made = False  # made on the first spill, under the lock
@@ -518,7 +520,9 @@ class ShardStore:
 
     def _serialized(self, table: Any) -> tuple[dict[str, Any], list[Any]]:
         with copies.timed("serialize"):
-            return self._backend.serialize(table)
+            if self._spill_memo is None:  # backends without one may not take it
+                return self._backend.serialize(table)
+            return self._backend.serialize(table, memo=self._spill_memo)
 
     def _append(self, partition: int, header: dict[str, Any], frames: list[Any]) -> _DiskLocation:
         path = os.path.join(self._directory, f"{partition}.bin")

@@ -231,15 +231,24 @@ class TableBackend(abc.ABC):
 
     @abc.abstractmethod
     def serialize(
-        self, table: Any, *, device_frames: bool = False
+        self, table: Any, *, device_frames: bool = False, memo: Any = None
     ) -> tuple[dict[str, Any], list[Any]]:
         """A header (msgpack-able) and frames for the wire or for disk.
 
         With ``device_frames`` (distributed's ``cuda`` serializer family, used
         by UCX) frames may be device buffers exposing
         ``__cuda_array_interface__``, which UCX sends device to device;
-        otherwise every frame must be host memory.
+        otherwise every frame must be host memory.  With ``memo`` (from
+        :meth:`new_memo`), for frames that only this process reads back (a
+        spill file), the frames may refer to what the memo holds, and the
+        header may hold the memo itself: it stays in memory.
         """
+
+    def new_memo(self) -> Any:
+        """What :meth:`serialize` may keep what many tables share in, once,
+        for frames this process reads back (a store's spill files); None:
+        nothing."""
+        return None
 
     @abc.abstractmethod
     def deserialize(self, header: dict[str, Any], frames: Sequence[Any]) -> Any:

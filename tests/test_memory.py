@@ -400,18 +400,17 @@ def _fill_the_disk(dask_worker) -> None:
 
     import gpushuffle.engine.store as store
 
-    def full(path, mode="r", *args, **kwargs):
-        if "a" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return open(path, mode, *args, **kwargs)
+    def full(fd, frames):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    store.open = full  # type: ignore[attr-defined]
+    store._FREE_DISK_WRITE = store._write_all  # type: ignore[attr-defined]
+    store._write_all = full
 
 
 def _free_the_disk(dask_worker) -> None:
     import gpushuffle.engine.store as store
 
-    store.__dict__.pop("open", None)
+    store._write_all = store.__dict__.pop("_FREE_DISK_WRITE")
 
 
 def test_disk_full_is_a_clear_error_and_leaves_nothing():

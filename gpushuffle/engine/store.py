@@ -536,11 +536,13 @@ class ShardStore:
                 if not self._directory_made:
                     os.makedirs(self._directory, exist_ok=True)
                     self._directory_made = True
-                f = open(path, "ab")  # noqa: SIM115  (closed by the with below)
-            with f, copies.timed("spill"):
-                offset = f.tell()
-                for frame in frames:
-                    f.write(frame)
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                with copies.timed("spill"):
+                    offset = os.lseek(fd, 0, os.SEEK_END)
+                    _write_all(fd, frames)
+            finally:
+                os.close(fd)
             copies.count("spill", sum(lengths))
         except OSError as e:
             if e.errno == errno.ENOSPC:
@@ -915,6 +917,26 @@ class ShardStore:
     def _raise_unless_owner(self, owner: object) -> None:
         if owner is not _ANY_OWNER and owner is not self._owner:
             raise ShuffleClosedError(f"{self._describe} was handed over to another run")
+
+
+#: Frames per ``writev`` call (Linux's IOV_MAX).
+_IOV_MAX = 1024
+
+
+def _write_all(fd: int, frames: list[Any]) -> None:
+    """Write ``frames`` in order, in as few system calls as they allow: a
+    piece is a frame per buffer (27 for 15 mixed columns), and a Python
+    file object wrote them one call each."""
+    views = [v for v in (memoryview(f).cast("B") for f in frames) if v.nbytes]
+    first = 0
+    while first < len(views):
+        written = os.writev(fd, views[first : first + _IOV_MAX])
+        # A regular file takes all of it but at a signal or a full disk.
+        while first < len(views) and written >= views[first].nbytes:
+            written -= views[first].nbytes
+            first += 1
+        if written:
+            views[first] = views[first][written:]
 
 
 def _map(path: str) -> mmap.mmap:

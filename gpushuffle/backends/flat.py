@@ -68,10 +68,21 @@ def flat_dtypes(dtype: Any) -> tuple[np.dtype, ...] | None:
     return None
 
 
-def flat(values: Any, dtype: Any) -> tuple[np.ndarray, ...] | None:
-    """``values`` (of pandas dtype ``dtype`` exactly) as views of its buffers
-    in :func:`flat_dtypes` form, or None if it has none."""
+def same_dtype(values: Any, dtype: Any) -> bool:
+    """Whether ``values`` is of ``dtype`` for :func:`flat`: equal, and for a
+    categorical with its categories in the same order (unordered dtypes
+    compare equal whatever the order; codes mean the same only in the same
+    order)."""
     if getattr(values, "dtype", None) != dtype:
+        return False
+    return not isinstance(values, pd.Categorical) or values.categories.equals(dtype.categories)
+
+
+def flat(values: Any, dtype: Any, checked: bool = False) -> tuple[np.ndarray, ...] | None:
+    """``values`` (of pandas dtype ``dtype`` exactly) as views of its buffers
+    in :func:`flat_dtypes` form, or None if it has none.  ``checked``: the
+    caller knows :func:`same_dtype` holds."""
+    if not checked and not same_dtype(values, dtype):
         return None
     if isinstance(values, DatetimeArray) and isinstance(dtype, pd.DatetimeTZDtype):
         return (values._ndarray.view(np.int64),)
@@ -79,10 +90,7 @@ def flat(values: Any, dtype: Any) -> tuple[np.ndarray, ...] | None:
         masked: Any = values
         return (masked._data, masked._mask)
     if isinstance(values, pd.Categorical):
-        # Unordered dtypes compare equal whatever their categories' order;
-        # codes mean the same only in the same order.
-        same = values.categories.equals(dtype.categories)
-        return (values.codes,) if same else None
+        return (values.codes,)
     arrow_values = _arrow_values(dtype)
     if arrow_values is None or not arrow.is_arrow(values):
         return None

@@ -27,6 +27,9 @@ _BATCH_BYTES = 256 << 10
 
 _BATCH_PIECES = 256
 
+#: Dtype objects a column remembers as its own (see _ColumnBuilder._flat).
+_OWN_DTYPES = 16
+
 
 class _ColumnBuilder:
     """One output column, filled piece by piece.
@@ -58,16 +61,33 @@ class _ColumnBuilder:
         #: Per part: True for memory of its own (a take), else the addresses
         #: of the received buffers that are (PandasTable.standalone).
         self.owned: list[bool | frozenset[int]] = []
+        #: Dtype objects found to be the column's own (flat.same_dtype): a
+        #: shard's pieces share theirs, and so do pieces read back through
+        #: one store's memo.  Comparing a categorical's dtype compares its
+        #: categories, once per piece and per check without this.
+        self._own_dtypes: list[Any] = []
 
     @property
     def filling(self) -> bool:
         """Whether pieces still go straight into ``outs``."""
         return self.outs is not None
 
+    def _flat(self, values: Any) -> tuple[np.ndarray, ...] | None:
+        """:func:`flat.flat` of ``values`` in the column's dtype."""
+        dtype = getattr(values, "dtype", None)
+        for own in self._own_dtypes:
+            if own is dtype:
+                return flat.flat(values, self.dtype, checked=True)
+        if not flat.same_dtype(values, self.dtype):
+            return None
+        if len(self._own_dtypes) < _OWN_DTYPES:  # held: their ids stay theirs
+            self._own_dtypes.append(dtype)
+        return flat.flat(values, self.dtype, checked=True)
+
     def _fits(self, values: Any) -> tuple[np.ndarray, ...] | None:
         """``values`` as the arrays to copy into ``outs``, or None if it does not fit."""
         if self.extension:
-            return flat.flat(values, self.dtype)
+            return self._flat(values)
         if isinstance(values, np.ndarray) and (
             # can_cast costs ten times the comparison, once a column and piece
             values.dtype == self.dtype or np.can_cast(values.dtype, self.dtype, "safe")
@@ -113,7 +133,7 @@ class _ColumnBuilder:
         parts: tuple[np.ndarray, ...] | None = None
         if self.filling:
             if self.extension:
-                parts = flat.flat(values, self.dtype)
+                parts = self._flat(values)
             elif type(values) is np.ndarray and values.dtype == self.dtype:
                 parts = (values,)
         if parts is not None:

@@ -1228,3 +1228,18 @@ def test_shallow_copies_of_large_datetimes_are_datetimes():
         for copied in (copy.copy(values), copy.deepcopy(values)):
             assert type(copied) is type(values) and copied.dtype == values.dtype
             assert (copied == values).all()
+
+
+def test_auto_scatters_the_sent_rows_of_four_workers_whatever_the_keys_spread():
+    """With 4 workers a partition sends 3/4 of its rows give or take the
+    keys' spread (here 74.8%): "auto" scatters them all the same (at 0.75
+    half of the benchmark's partitions were gathered, 6% slower at 12M
+    numeric rows); with 2 workers (half sent) it gathers."""
+    from gpushuffle.backends.pandas import _scatter_passes
+
+    nrows = 200_000
+    four = np.array([0, 50_400, 100_000, 150_000, nrows])  # local group 0: 25.2%
+    groups = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert _scatter_passes(groups, four, 0, True, nrows) == [[1, 2, 3]]
+    two = np.array([0, 100_000, nrows])
+    assert _scatter_passes([(0, 1), (1, 2)], two, 0, True, nrows) == []

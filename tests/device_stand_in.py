@@ -113,7 +113,7 @@ class DeviceStandInBackend(PandasBackend):
         return StandInTable(table.nrows, table.nbytes, table=super().deserialize(header, frames))
 
     def serialize(
-        self, table: StandInTable, *, device_frames: bool = False, memo: Any = None
+        self, table: StandInTable, *, device_frames: bool = False
     ) -> tuple[dict[str, Any], list[Any]]:
         calls["serialize"] += 1
         if table.packed is not None:

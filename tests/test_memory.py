@@ -403,7 +403,7 @@ def _fill_the_disk(dask_worker) -> None:
     def full(fd, frames):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    store._FREE_DISK_WRITE = store._write_all  # type: ignore[attr-defined]
+    store.__dict__.setdefault("_FREE_DISK_WRITE", store._write_all)
     store._write_all = full
 
 

@@ -1243,3 +1243,32 @@ def test_auto_scatters_the_sent_rows_of_four_workers_whatever_the_keys_spread():
     assert _scatter_passes(groups, four, 0, True, nrows) == [[1, 2, 3]]
     two = np.array([0, 100_000, nrows])
     assert _scatter_passes([(0, 1), (1, 2)], two, 0, True, nrows) == []
+
+
+def test_an_output_column_lets_go_of_each_piece_once_copied():
+    """A column remembers the dtypes it found its own, but not the pieces:
+    a received categorical's categories are views of its message, which
+    must go as soon as the piece is copied, not when the output is done."""
+    import gc
+    import weakref
+
+    from gpushuffle.backends import flat
+    from gpushuffle.backends.pandas_output import _ColumnBuilder
+    from gpushuffle.engine.pool import host_pool
+
+    dtype = pd.CategoricalDtype([10, 20, 30])
+    outs = tuple(np.empty(6, d) for d in flat.flat_dtypes(dtype))
+    builder = _ColumnBuilder(dtype, host_pool(), outs)
+    alive = []
+    for piece in range(3):
+        message = np.array([10, 20, 30, 1, 2], dtype=np.int64)  # categories, then codes
+        alive.append(weakref.ref(message))
+        categories = pd.Index(message[:3], copy=False)
+        values = pd.Categorical.from_codes(
+            message[3:].astype(np.int8), dtype=pd.CategoricalDtype(categories)
+        )
+        builder.add(values)
+        del message, categories, values
+        gc.collect()
+        assert [a() is not None for a in alive] == [False] * (piece + 1)
+    assert builder.finish().tolist() == [20, 30] * 3

@@ -845,6 +845,15 @@ def test_a_pickle_made_with_a_memo_names_what_reads_it():
     with pytest.raises(pickle.UnpicklingError, match="memo of dtypes"):
         pickle.loads(payload, buffers=buffers)
     assert arrow.loads(payload, buffers, memo).equals(values)
+    # A dtype too large to keep (many categories of its own) is pickled
+    # with the piece, as without a memo.
+    many = pd.Categorical([f"category-{i:06d}" for i in range(20_000)])
+    buffers.clear()
+    payload = arrow.dumps(many, buffers.append, memo=memo)
+    assert len(pickle.dumps(many.dtype)) > arrow.PickleMemo.MAX_OBJECT_BYTES
+    kept = [memo[i] for i in range(len(memo))]
+    assert not any(isinstance(d, pd.CategoricalDtype) and len(d.categories) > 2 for d in kept)
+    assert arrow.loads(payload, buffers, memo).equals(many)
 
 
 def test_spill_writes_survive_partial_writes(tmp_path, monkeypatch):
@@ -872,3 +881,48 @@ def test_spill_writes_survive_partial_writes(tmp_path, monkeypatch):
     expected = b"".join(bytes(memoryview(f).cast("B")) for f in frames)
     assert path.read_bytes() == expected
     assert len(calls) == -(-len(expected) // 777)
+
+
+def test_spilled_shards_let_go_of_their_received_buffers(tmp_path):
+    """A received categorical's categories are views of the message it came
+    in: the memo of spilled pieces' dtypes must not keep them (it would hold
+    every spilled shard's buffer while charging nothing for it)."""
+    import gc
+    import weakref
+
+    backend = PandasBackend()
+    memory = make_memory(host=1)  # every shard goes to disk
+    store = store_for(backend, memory, tmp_path)
+    nparts = 4
+    buffers = []
+
+    async def fill():
+        for seed in range(4):
+            frame = _mixed_input(2_000, nparts, seed)
+            # Categories of their own per shard (unknown categories), integers
+            # under numeric ones: views of the message too.
+            frame["k"] = pd.Categorical(frame["i"] % 7 + 10 * seed)
+            shard, received = _received_shard(backend, frame, nparts, seed)
+            buffers.append(weakref.ref(received))
+            del received
+            await store.put(shard)
+            del shard
+
+    asyncio.run(fill())
+    gc.collect()
+    assert memory.host.bytes == 0
+    assert [b() is not None for b in buffers] == [False] * 4
+    store.close()
+
+
+def test_a_pandas_backend_with_its_own_serialization_gets_no_memo():
+    """A subclass that serializes its own way may not take the memo (or
+    read back what was written with it): the store spills its tables as
+    before."""
+
+    class OwnWay(PandasBackend):
+        def serialize(self, table, *, device_frames=False):
+            return super().serialize(table, device_frames=device_frames)
+
+    assert PandasBackend().new_memo() is not None
+    assert OwnWay().new_memo() is None

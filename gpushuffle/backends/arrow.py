@@ -66,6 +66,8 @@ import operator
 import pickle
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -328,44 +330,72 @@ class PickleMemo:
     would keep one of each for as long as the store lives.  (Equality would
     not do: an unordered ``CategoricalDtype`` equals one with its categories
     in another order, whose codes mean other values, and integer categories
-    equal float ones.)  The most recently seen objects are also remembered
-    by identity, and held, so that no identity is reused while remembered:
-    the pieces of one shard share their dtypes, and pickle them once.
+    equal float ones.)  The memo keeps a copy of its own of each, unpickled
+    from those bytes: a received categorical's categories are views of the
+    message it came in, which the memo must not keep alive once its shard
+    is spilled.  For the same reason the most recently seen objects are
+    remembered by identity through weak references (numpy dtypes, which
+    hold no data, are held): the pieces of one shard share their dtypes,
+    and are pickled once.  A dtype over :data:`MAX_OBJECT_BYTES` pickled,
+    or beyond :data:`MAX_BYTES` in all (many categoricals of many
+    categories of their own), is pickled with each piece, as without a memo.
     Thread-safe.
     """
 
-    #: Objects remembered by identity (each held until it is forgotten).
+    #: Objects remembered by identity.
     RECENT = 256
+    #: The largest dtype kept, and what all of them may take, pickled.
+    MAX_OBJECT_BYTES = 64 << 10
+    MAX_BYTES = 16 << 20
 
     def __init__(self) -> None:
         self._objects: list[Any] = []
         self._numbers: dict[bytes, int] = {}
-        self._recent: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._recent: collections.OrderedDict[int, tuple[Callable[[], Any], int | None]] = (
+            collections.OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._objects)
 
-    def number(self, obj: Any) -> int:
+    def number(self, obj: Any) -> int | None:
         """``obj``'s number: that of an object seen before that pickles the
-        same, else a new one."""
+        same, else a new one; None for one too large to keep."""
         with self._lock:
             seen = self._recent.get(id(obj))
-            if seen is not None and seen[0] is obj:
+            if seen is not None and seen[0]() is obj:
                 self._recent.move_to_end(id(obj))
                 return seen[1]
             state = pickle.dumps(obj, protocol=5)
             number = self._numbers.get(state)
-            if number is None:
-                self._objects.append(obj)
+            if number is None and self._keeps(len(state)):
+                self._objects.append(pickle.loads(state))
+                self._bytes += len(state)
                 number = self._numbers[state] = len(self._objects) - 1
-            self._recent[id(obj)] = (obj, number)
-            if len(self._recent) > self.RECENT:
-                self._recent.popitem(last=False)
+            holder = _weakly(obj)
+            if holder is not None:
+                self._recent[id(obj)] = (holder, number)
+                if len(self._recent) > self.RECENT:
+                    self._recent.popitem(last=False)
             return number
+
+    def _keeps(self, nbytes: int) -> bool:
+        return nbytes <= self.MAX_OBJECT_BYTES and self._bytes + nbytes <= self.MAX_BYTES
 
     def __getitem__(self, number: int) -> Any:
         return self._objects[number]
+
+
+def _weakly(obj: Any) -> Callable[[], Any] | None:
+    """What gives ``obj`` back while it lives without keeping it alive (a
+    numpy dtype, which holds no data and takes no weak reference: itself),
+    else None."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return (lambda: obj) if isinstance(obj, np.dtype) else None
 
 
 #: Per thread, while :func:`loads` reads a pickle made with a memo: that memo.
@@ -387,11 +417,12 @@ def loads(payload: Any, frames: Any, memo: PickleMemo | None = None) -> Any:
     """``pickle.loads(payload, buffers=frames)``, with the memo :func:`dumps` was given."""
     if memo is None:
         return pickle.loads(payload, buffers=frames)
+    outer = getattr(_unpickling, "memo", None)
     _unpickling.memo = memo
     try:
         return pickle.loads(payload, buffers=frames)
     finally:
-        _unpickling.memo = None
+        _unpickling.memo = outer
 
 
 class OutOfBandPickler(pickle.Pickler):
@@ -435,7 +466,9 @@ class _MemoPickler(OutOfBandPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, _DTYPES):
-            return (_remembered, (self._memo_of_dtypes.number(obj),))
+            number = self._memo_of_dtypes.number(obj)
+            if number is not None:
+                return (_remembered, (number,))
         return super().reducer_override(obj)
 
 

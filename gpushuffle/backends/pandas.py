@@ -645,9 +645,16 @@ class PandasBackend(TableBackend):
             return table.source.unshared_bytes()
         return None
 
-    def new_memo(self) -> arrow.PickleMemo:
+    def new_memo(self) -> arrow.PickleMemo | None:
         # Spilled pieces pickle their dtypes by number into it: a
-        # categorical's categories once per store, not once per piece.
+        # categorical's categories once per store, not once per piece.  Not
+        # for a subclass with a serialization of its own, which may not
+        # take the memo (or read what it wrote without it).
+        own = type(self)
+        if own.serialize is not PandasBackend.serialize or (
+            own.deserialize is not PandasBackend.deserialize
+        ):
+            return None
         return arrow.PickleMemo()
 
     def materialize(self, table: PandasTable | BorrowedRows) -> PandasTable:

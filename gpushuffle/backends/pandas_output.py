@@ -4,6 +4,8 @@ not."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,11 +63,13 @@ class _ColumnBuilder:
         #: Per part: True for memory of its own (a take), else the addresses
         #: of the received buffers that are (PandasTable.standalone).
         self.owned: list[bool | frozenset[int]] = []
-        #: Dtype objects found to be the column's own (flat.same_dtype): a
-        #: shard's pieces share theirs, and so do pieces read back through
-        #: one store's memo.  Comparing a categorical's dtype compares its
-        #: categories, once per piece and per check without this.
-        self._own_dtypes: list[Any] = []
+        #: Dtype objects found to be the column's own (flat.same_dtype),
+        #: weakly: a shard's pieces share theirs, and so do pieces read back
+        #: through one store's memo.  Comparing a categorical's dtype
+        #: compares its categories, once per piece and per check without
+        #: this; holding it would hold a received one's categories, views
+        #: of its whole message, after the piece was copied.
+        self._own_dtypes: list[weakref.ref[Any]] = []
 
     @property
     def filling(self) -> bool:
@@ -76,12 +80,13 @@ class _ColumnBuilder:
         """:func:`flat.flat` of ``values`` in the column's dtype."""
         dtype = getattr(values, "dtype", None)
         for own in self._own_dtypes:
-            if own is dtype:
+            if own() is dtype and dtype is not None:
                 return flat.flat(values, self.dtype, checked=True)
         if not flat.same_dtype(values, self.dtype):
             return None
-        if len(self._own_dtypes) < _OWN_DTYPES:  # held: their ids stay theirs
-            self._own_dtypes.append(dtype)
+        if len(self._own_dtypes) < _OWN_DTYPES:
+            with contextlib.suppress(TypeError):  # a dtype without weak references
+                self._own_dtypes.append(weakref.ref(dtype))
         return flat.flat(values, self.dtype, checked=True)
 
     def _fits(self, values: Any) -> tuple[np.ndarray, ...] | None:

@@ -931,6 +931,8 @@ def _write_all(fd: int, frames: list[Any]) -> None:
     first = 0
     while first < len(views):
         written = os.writev(fd, views[first : first + _IOV_MAX])
+        if not written:
+            raise OSError(errno.EIO, "gpushuffle: a spill file took no bytes")
         # A regular file takes all of it but at a signal or a full disk.
         while first < len(views) and written >= views[first].nbytes:
             written -= views[first].nbytes

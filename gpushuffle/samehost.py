@@ -68,8 +68,8 @@ LEND_MIN_BYTES = 64 << 10
 #: Lent frames start this far apart in the receiver's buffer (cache lines).
 _ALIGN = 64
 
-#: iovecs per process_vm_readv call (IOV_MAX on Linux).
-_IOV_MAX = 1024
+#: iovecs per process_vm_readv or writev call (IOV_MAX on Linux).
+IOV_MAX = 1024
 
 
 class LendRefused(Exception):
@@ -324,7 +324,7 @@ def read(
     # the lease: the token proves which process that very call read, the
     # lease that the sender still held every frame read before it (the
     # kernel reads the iovecs in order).
-    per_call = _IOV_MAX - extra
+    per_call = IOV_MAX - extra
     for first in range(0, max(len(lent), 1), per_call):
         batch = range(first, min(first + per_call, len(lent)))
         local = (_Iovec * (len(batch) + extra))()

@@ -65,6 +65,7 @@ from gpushuffle.engine.outputs import OutputSize
 from gpushuffle.engine.pool import host_pool, trim_allocators
 from gpushuffle.engine.tables import TableBackend
 from gpushuffle.errors import ShuffleDiskFullError, ShuffleMemoryError
+from gpushuffle.samehost import IOV_MAX
 from gpushuffle.transport import Shard
 
 logger = logging.getLogger(__name__)
@@ -919,10 +920,6 @@ class ShardStore:
             raise ShuffleClosedError(f"{self._describe} was handed over to another run")
 
 
-#: Frames per ``writev`` call (Linux's IOV_MAX).
-_IOV_MAX = 1024
-
-
 def _write_all(fd: int, frames: list[Any]) -> None:
     """Write ``frames`` in order, in as few system calls as they allow: a
     piece is a frame per buffer (27 for 15 mixed columns), and a Python
@@ -930,7 +927,7 @@ def _write_all(fd: int, frames: list[Any]) -> None:
     views = [v for v in (memoryview(f).cast("B") for f in frames) if v.nbytes]
     first = 0
     while first < len(views):
-        written = os.writev(fd, views[first : first + _IOV_MAX])
+        written = os.writev(fd, views[first : first + IOV_MAX])
         if not written:
             raise OSError(errno.EIO, "gpushuffle: a spill file took no bytes")
         # A regular file takes all of it but at a signal or a full disk.

@@ -162,8 +162,8 @@ def summary(variants: list[Variant]) -> list[dict[str, Any]]:
             {
                 "variant": v.name,
                 "path": str(v.path),
-                "round_medians_s": [round(m, 3) for m in v.medians],
-                "median_s": round(median, 3),
+                "round_medians_s": [round(m, 4) for m in v.medians],
+                "median_s": round(median, 4),
                 "ratio": round(median / base, 3),
                 "first_run_peak_above_start_mib": [p >> 20 for p in v.first_peaks],
             }

@@ -73,8 +73,9 @@ def test_variants_alternate_and_a_revision_is_checked_out_then_removed(tmp_path)
         assert len(row["round_medians_s"]) == 2 and all(m > 0 for m in row["round_medians_s"])
         assert len(row["first_run_peak_above_start_mib"]) == 2
     assert rows["here"]["ratio"] == 1.0
+    # The ratio is of the unrounded medians (tiny runs: tens of ms, 0.1 ms shown).
     assert rows["copy"]["ratio"] == pytest.approx(
-        rows["copy"]["median_s"] / rows["here"]["median_s"], abs=0.002
+        rows["copy"]["median_s"] / rows["here"]["median_s"], rel=0.01
     )
     assert _worktrees() == before  # the revision's worktree is gone
 

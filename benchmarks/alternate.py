@@ -116,8 +116,8 @@ def check_imports_from(path: Path, cwd: Path) -> None:
         )
 
 
-def run_round(variant: Variant, bench_args: list[str], repeat: int, scratch: Path) -> list[dict]:
-    """One ``gpushuffle bench`` of ``variant``; its per-run results."""
+def run_round(variant: Variant, bench_args: list[str], repeat: int, scratch: Path) -> None:
+    """One ``gpushuffle bench`` of ``variant``: its median and first peak."""
     out = scratch / f"{variant.name}-{len(variant.medians)}.json"
     command = [
         sys.executable,
@@ -149,7 +149,6 @@ def run_round(variant: Variant, bench_args: list[str], repeat: int, scratch: Pat
     variant.first_peaks.append(
         first["peak_worker_rss_bytes"] - first["peak_breakdown"]["rss_before"]
     )
-    return runs
 
 
 def summary(variants: list[Variant]) -> list[dict[str, Any]]:
@@ -202,7 +201,9 @@ def main(
         tempfile.TemporaryDirectory(prefix="gpushuffle-alternate-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        scratch = Path(tmp)
+        # Resolved: the import check compares it with a resolved module path
+        # (a temporary directory can be a symlink, as on macOS).
+        scratch = Path(tmp).resolve()
         trees = scratch / "trees"
         trees.mkdir()
         variants = [
